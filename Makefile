@@ -1,0 +1,35 @@
+# kmirror: `make demo` runs the main job, `make test` the test suite; both set everything up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint format bench docs clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt scripts/install_horovod.sh
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,notebooks,docs]"
+	bash scripts/install_horovod.sh $(VENV)
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install lint
+	$(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+bench: install
+	$(PY) benchmarks/bench_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,425 @@
+"""`MirroredModel` and `wrap`: a user's compiled Keras model, replicated on every device.
+
+`wrap` recreates the model inside the reducer's scope (so its variables are mirrored on every
+replica), copies the weights, and compiles the copy with the user's compile settings and an
+optimizer that carries the user's optimizer state. The user's own model is never changed.
+`MirroredModel` is a `keras.Model`: `fit`, `evaluate`, `predict` and every Keras callback work as
+usual; its train, test and predict steps are kmirror's data-parallel steps (`kmirror.step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src.trainers.epoch_iterator import EpochIterator
+
+from kmirror import devices as devices_lib
+from kmirror import reducers, step
+from kmirror.reducers.base import Reducer
+
+__all__ = ["MirroredModel", "wrap"]
+
+
+def wrap(
+    model: keras.Model,
+    reducer: str | Reducer | tf.distribute.CrossDeviceOps = "auto",
+    *,
+    devices: list[str] | None = None,
+    num_gpus: int | None = None,
+    **reducer_options: Any,
+) -> MirroredModel:
+    """Wraps a Keras model for synchronous data-parallel training on every local device.
+
+    The returned `MirroredModel` trains exactly as the original model would on one device with
+    the same global batch (`batch_size` in `fit` is the global batch), only split across replicas.
+    Weights, compile settings and optimizer state carry over, so training continues where it was.
+    The model passed in is left unchanged.
+
+    Example:
+
+    ```python
+    import kmirror, keras
+    kmirror.devices.simulate(2)                  # only without GPUs
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model = kmirror.wrap(model, reducer="hierarchical_copy")
+    model.fit(x, y, batch_size=64, epochs=3)
+    ```
+
+    Args:
+        model: any `keras.Model` (Sequential, Functional, or subclassed with `get_config`), built
+            or not, compiled or not (compile the wrapped model before `fit` if not).
+        reducer: how gradients are summed across replicas: a name from `kmirror.REDUCERS`, a
+            `kmirror.reducers.Reducer` object, or a `tf.distribute.CrossDeviceOps`.
+        devices: the devices to replicate on (default: every GPU, else every logical CPU).
+        num_gpus: use the first `num_gpus` GPUs instead of naming devices (0: the CPUs).
+        **reducer_options: options of the named reducer, e.g. `num_packs=2` for `"nccl"`.
+
+    Returns:
+        A `kmirror.MirroredModel`.
+    """
+    if isinstance(model, MirroredModel):
+        raise ValueError(
+            "this model is already a kmirror.MirroredModel; use it as it is, or call "
+            "model.unwrap() first to wrap the plain model with other settings."
+        )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"kmirror.wrap expects a keras.Model; got {type(model).__name__}. Build a Keras model "
+            "(keras.Sequential, the functional API, or a keras.Model subclass) and pass that."
+        )
+    _check_step_is_standard(model)
+    devices = _choose_devices(devices, num_gpus)
+    chosen = reducers.get(reducer, devices, **reducer_options)
+    chosen.bind(devices)
+    return MirroredModel(model, chosen)
+
+
+class MirroredModel(keras.Model):
+    """A Keras model whose weights are mirrored on every replica and whose steps are data-parallel.
+
+    Create it with `kmirror.wrap(model, reducer=...)`. Each global batch is split across the
+    replicas, each replica computes gradients of its share of the global loss, the reducer sums
+    them, and one identical update is applied everywhere. Logged loss and metrics are those of the
+    global batch, as on one device.
+
+    Example:
+
+    ```python
+    model = kmirror.wrap(model, reducer="one_device")
+    model.fit(x, y, batch_size=64, epochs=2)
+    print(model.reducer, model.num_replicas, model.devices, model.is_chief)
+    plain = model.unwrap()          # a single-device keras.Model with the trained weights
+    model.save("trained.keras")     # a plain .keras file; kmirror is not needed to load it
+    ```
+    """
+
+    def __init__(self, model: keras.Model, reducer: Reducer) -> None:
+        super().__init__(name=f"mirrored_{model.name}")
+        self._reducer = reducer
+        self._replica_jit_compile = False
+        self._user_compile: dict[str, Any] | None = None
+        self._replica = _replicate(model, reducer)
+        if hasattr(self._replica, "output_names"):
+            self.output_names = list(self._replica.output_names)
+        self.built = True
+        if model.compiled:
+            compile_args = dict(model._compile_config.config)
+            compile_args["metrics"] = _fresh_metrics(compile_args.get("metrics"))
+            compile_args["weighted_metrics"] = _fresh_metrics(compile_args.get("weighted_metrics"))
+            self.compile(**compile_args)
+            if model.optimizer is not None and model.optimizer.built and self._replica.built:
+                _copy_optimizer_state(model.optimizer, self.optimizer)
+
+    # -- what users ask of it -------------------------------------------------------------------
+    @property
+    def reducer(self) -> str:
+        """The name of the reducer in use (after `"auto"` was resolved)."""
+        return self._reducer.name
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas train together (over all processes)."""
+        return self._reducer.num_replicas
+
+    @property
+    def devices(self) -> list[str]:
+        """The local devices holding a replica."""
+        return list(self._reducer.devices)
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the one process that writes checkpoints and summaries."""
+        return self._reducer.is_chief
+
+    # -- compiling ------------------------------------------------------------------------------
+    def compile(
+        self,
+        optimizer="rmsprop",
+        loss=None,
+        loss_weights=None,
+        metrics=None,
+        weighted_metrics=None,
+        run_eagerly=False,
+        steps_per_execution=1,
+        jit_compile="auto",
+        auto_scale_loss=True,
+    ):
+        """Configures training, as `keras.Model.compile`.
+
+        The optimizer is created on the replicas. kmirror compiles each replica's forward and
+        backward pass with XLA when `jit_compile` is True (or "auto" and a GPU is visible); the
+        gradient reduction and the update always run outside XLA, so the reducer you chose is the
+        reducer that runs.
+        """
+        with self._reducer.scope():
+            optimizer = _new_optimizer(optimizer)
+            self._replica.compile(
+                optimizer=optimizer,
+                loss=loss,
+                loss_weights=loss_weights,
+                jit_compile=False,
+                auto_scale_loss=auto_scale_loss,
+            )
+            if self._replica.built:
+                _build_optimizer(self._replica)
+        self._user_compile = dict(
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss,
+        )
+        if jit_compile == "auto":
+            jit_compile = not run_eagerly and self._replica._resolve_auto_jit_compile()
+        self._replica_jit_compile = bool(jit_compile) and not run_eagerly
+        super().compile(
+            optimizer=self._replica.optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution,
+            jit_compile=False,
+            auto_scale_loss=False,
+        )
+
+    @property
+    def replica_jit_compile(self) -> bool:
+        """Whether each replica's forward and backward pass is compiled with XLA."""
+        return self._replica_jit_compile
+
+    def _assert_compile_called(self, method_name=None):
+        if not self.compiled:
+            raise RuntimeError(
+                f"the model must be compiled before `{method_name or 'training'}`: call "
+                "model.compile(optimizer=..., loss=...) on the original model before "
+                "kmirror.wrap, or on the wrapped model."
+            )
+
+    # -- the steps ------------------------------------------------------------------------------
+    def call(self, inputs, training=None):
+        return self._replica(inputs, training=training)
+
+    def train_step(self, data):
+        loss, y_pred = step.train(
+            self._replica, self._reducer, data, jit_compile=self._replica_jit_compile
+        )
+        return self._record(data, loss, y_pred)
+
+    def test_step(self, data):
+        loss, y_pred = step.evaluate(self._replica, self._reducer, data)
+        return self._record(data, loss, y_pred)
+
+    def predict_step(self, data):
+        return step.predict(self._replica, self._reducer, data)
+
+    def _record(self, data, loss, y_pred):
+        """Updates the Keras metrics once, on the global batch, as single-device Keras does."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._loss_tracker.update_state(loss, sample_weight=step.batch_size(x))
+        if self._compile_loss is not None and tf.nest.is_nested(y_pred):
+            # Per-output losses are logged by the loss object itself, on the global batch.
+            self._compile_loss(y, y_pred, sample_weight)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds models inside the strategy scope from one batch; kmirror does the same
+        # for the replicas, from a global batch, so uneven batches never reach the build.
+        if self._replica.built and (self.optimizer is None or self.optimizer.built):
+            return
+        if data_batch is None:
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        with self._reducer.scope():
+            self._replica._symbolic_build(data_batch=data_batch)
+            if self._replica.compiled:
+                _build_optimizer(self._replica)
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        if not self._replica.built:
+            first = EpochIterator(x=x, batch_size=batch_size, steps_per_epoch=1, shuffle=False)
+            for _, _, batches in first:
+                batch = next(iter(batches)) if isinstance(batches, list) else next(batches)
+                self._maybe_symbolic_build(data_batch=batch)
+                break
+        return super().predict(
+            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        )
+
+    # -- leaving kmirror ------------------------------------------------------------------------
+    def unwrap(self) -> keras.Model:
+        """Returns a plain single-device Keras model with the current weights and compile state.
+
+        The optimizer state (iterations, moments) comes along, so `fit` on the result continues
+        where this model stopped.
+        """
+        plain = _clone(self._replica)
+        if self._replica.built:
+            _build_like(plain, self._replica)
+            plain.set_weights(self._replica.get_weights())
+        if self.compiled and self._user_compile is not None:
+            args = dict(self._user_compile)
+            plain.compile(
+                optimizer=_new_optimizer(self.optimizer),
+                **{**args, "metrics": _fresh_metrics(args["metrics"]),
+                   "weighted_metrics": _fresh_metrics(args["weighted_metrics"])},
+            )
+            if plain.built:
+                _build_optimizer(plain)
+                _copy_optimizer_state(self.optimizer, plain.optimizer)
+        return plain
+
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        """Saves the model as a plain Keras file (`.keras`), loadable without kmirror."""
+        return self.unwrap().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the weights as the original model would, so the file fits it as well."""
+        return self._replica.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads weights saved by this model, by the original model, or by `unwrap()`'s model."""
+        return self._replica.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
+
+    def summary(self, *args, **kwargs):
+        print(f"kmirror: {self._reducer.describe()} on {', '.join(self.devices)}")
+        return self._replica.summary(*args, **kwargs)
+
+    def get_config(self):
+        raise NotImplementedError(
+            "a MirroredModel is not serialised itself; model.save(path) writes the plain model, "
+            "and kmirror.wrap(keras.models.load_model(path)) wraps it again."
+        )
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _choose_devices(devices, num_gpus) -> list[str]:
+    if devices is not None and num_gpus is not None:
+        raise ValueError(
+            "pass either devices=[...] or num_gpus=N to kmirror.wrap, not both: devices names the "
+            "exact devices, num_gpus takes the first N GPUs."
+        )
+    if devices is None:
+        return devices_lib.local_devices(num_gpus)
+    if isinstance(devices, str) or not devices:
+        raise ValueError(
+            f"devices must be a non-empty list of device names such as ['/gpu:0', '/gpu:1']; "
+            f"got {devices!r}."
+        )
+    canonical = [devices_lib.canonical(d) for d in devices]
+    repeated = sorted({d for d in canonical if canonical.count(d) > 1})
+    if repeated:
+        raise ValueError(
+            f"devices lists {', '.join(repeated)} more than once; give each device once "
+            "(one replica per device)."
+        )
+    known = {devices_lib.canonical(d.name) for d in tf.config.list_logical_devices()}
+    missing = [d for d, c in zip(devices, canonical) if c not in known]
+    if missing:
+        raise ValueError(
+            f"devices {missing} do not exist here; available: {sorted(known)}. Without GPUs, "
+            "call kmirror.devices.simulate(n) first to split the CPU into n devices."
+        )
+    return canonical
+
+
+def _check_step_is_standard(model: keras.Model) -> None:
+    if type(model).train_step is not keras.Model.train_step:
+        raise ValueError(
+            f"{type(model).__name__} overrides train_step, so kmirror cannot normalise its loss by "
+            "the global batch: kmirror replaces the step with its own data-parallel one. Move the "
+            "custom logic into call() / compute_loss(), or wrap a model with the standard step."
+        )
+
+
+@contextlib.contextmanager
+def _uncompiled(model: keras.Model):
+    """Lets clone_model skip re-compiling the clone from serialised settings (kmirror compiles it)."""
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        yield
+    finally:
+        model.compiled = compiled
+
+
+def _clone(model: keras.Model) -> keras.Model:
+    try:
+        with _uncompiled(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return keras.models.clone_model(model)
+    except Exception as error:
+        raise TypeError(
+            f"kmirror could not recreate the model {model.name!r} ({type(model).__name__}) on the "
+            f"replicas: {error}. Subclassed models need get_config() returning their constructor "
+            "arguments (and from_config if they are not plain values); Sequential and functional "
+            "models always work."
+        ) from error
+
+
+def _build_like(clone: keras.Model, model: keras.Model) -> None:
+    if not clone.built:
+        clone.build_from_config(model.get_build_config())
+    if len(clone.weights) != len(model.weights):
+        raise TypeError(
+            f"the recreated model has {len(clone.weights)} weights, the original "
+            f"{len(model.weights)}; give {type(model).__name__} get_build_config() and "
+            "build_from_config() so that kmirror can rebuild it."
+        )
+
+
+def _replicate(model: keras.Model, reducer: Reducer) -> keras.Model:
+    """The model recreated inside the reducer's scope (mirrored variables), with its weights."""
+    with reducer.scope():
+        replica = _clone(model)
+        if model.built:
+            _build_like(replica, model)
+            replica.set_weights(model.get_weights())
+    return replica
+
+
+def _new_optimizer(optimizer):
+    """A new optimizer with `optimizer`'s config, its variables created in the current scope."""
+    if optimizer is None or isinstance(optimizer, str | dict):
+        return keras.optimizers.get(optimizer) if optimizer is not None else None
+    return type(optimizer).from_config(optimizer.get_config())
+
+
+def _build_optimizer(model: keras.Model) -> None:
+    optimizer = model.optimizer
+    if optimizer is None or optimizer.built:
+        return
+    optimizer.build(model.trainable_variables)
+
+
+def _copy_optimizer_state(source, target) -> None:
+    if len(source.variables) != len(target.variables):
+        raise ValueError(
+            f"cannot carry the optimizer state over: {len(source.variables)} variables in the "
+            f"original optimizer, {len(target.variables)} in the new one."
+        )
+    for src, dst in zip(source.variables, target.variables):
+        dst.assign(src.value)
+
+
+def _fresh_metrics(metrics):
+    """Copies of the user's metric objects, so that the wrapped model never shares their state."""
+    if metrics is None:
+        return None
+
+    def copy(metric):
+        if isinstance(metric, keras.metrics.Metric):
+            return type(metric).from_config(metric.get_config())
+        return metric
+
+    return tf.nest.map_structure(copy, metrics)

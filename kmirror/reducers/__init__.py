@@ -1,0 +1,98 @@
+"""Reducers: how the replicas' gradients are summed. One argument of `kmirror.wrap` picks one.
+
+| name | what runs | where |
+|---|---|---|
+| `"nccl"` | NVIDIA NCCL all-reduce | 2+ GPUs, one process |
+| `"hierarchical_copy"` | sum in two device groups, then between them | any devices, one process |
+| `"one_device"` | copy to one device, sum, copy back | any devices, one process |
+| `"horovod"` | Horovod's ring all-reduce | one process per device |
+| `"ring"` | TensorFlow's collective ring | several workers |
+| `"auto"` | what TensorFlow would pick: NCCL on 2+ GPUs, else `one_device` | |
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import tensorflow as tf
+
+from kmirror.reducers.base import Reducer
+from kmirror.reducers.in_process import (
+    CrossDeviceOps,
+    HierarchicalCopy,
+    InProcessReducer,
+    Nccl,
+    OneDevice,
+)
+
+__all__ = [
+    "REDUCERS",
+    "Reducer",
+    "InProcessReducer",
+    "Nccl",
+    "HierarchicalCopy",
+    "OneDevice",
+    "CrossDeviceOps",
+    "get",
+]
+
+#: Every reducer name `kmirror.wrap` accepts.
+REDUCERS = ("auto", "nccl", "hierarchical_copy", "one_device", "horovod", "ring")
+
+_BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice)}
+
+
+def get(reducer, devices: list[str], **options) -> Reducer:
+    """Turns what the user passed as `reducer` (a name, a Reducer, or CrossDeviceOps) into a Reducer.
+
+    Args:
+        reducer: a name from `REDUCERS`, a `Reducer` object, or a `tf.distribute.CrossDeviceOps`.
+        devices: the devices the replicas will run on (decides what `"auto"` picks).
+        **options: options of the named reducer, such as `num_packs`.
+    """
+    if isinstance(reducer, Reducer):
+        if options:
+            raise ValueError(
+                f"reducer options {sorted(options)} were given with a {type(reducer).__name__} "
+                "object; set them on the object instead, e.g. "
+                "kmirror.reducers.HierarchicalCopy(num_packs=2)."
+            )
+        return reducer
+    if isinstance(reducer, tf.distribute.CrossDeviceOps):
+        return CrossDeviceOps(reducer, **options)
+    if not isinstance(reducer, str):
+        raise TypeError(
+            f"reducer must be a name from {list(REDUCERS)} or a kmirror.reducers.Reducer; "
+            f"got {type(reducer).__name__}."
+        )
+    if reducer not in REDUCERS:
+        close = difflib.get_close_matches(reducer, REDUCERS, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ValueError(
+            f"unknown reducer '{reducer}'.{hint} Valid reducers: {', '.join(REDUCERS)}."
+        )
+    if reducer == "auto":
+        reducer = auto(devices)
+    if reducer in ("horovod", "ring"):
+        raise NotImplementedError(
+            f"reducer '{reducer}' is not available in this version of kmirror yet. "
+            "Use reducer='hierarchical_copy', 'one_device' or 'nccl'."
+        )
+    cls = _BY_NAME[reducer]
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        accepted = ", ".join(cls.options) or "no options"
+        raise ValueError(
+            f"reducer '{reducer}' does not take the option(s) {', '.join(unknown)}; "
+            f"it accepts: {accepted}."
+        )
+    return cls(**options)
+
+
+def auto(devices: list[str]) -> str:
+    """What TensorFlow's MirroredStrategy would pick: NCCL between 2+ physical GPUs, else one device."""
+    all_gpus = devices and all("GPU" in d.upper() for d in devices)
+    physical = len(tf.config.list_physical_devices("GPU"))
+    if all_gpus and len(devices) >= 2 and physical >= 2 and tf.test.is_built_with_cuda():
+        return "nccl"
+    return "one_device"

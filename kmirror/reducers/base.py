@@ -1,0 +1,100 @@
+"""The reducer seam: how replicas are laid out and how their gradients are summed.
+
+The data-parallel step (`kmirror.step`) never knows which all-reduce runs. It asks its reducer to
+split a global batch into per-replica shards, to run a function on every local replica, to sum
+the replicas' gradients, and to sum or concatenate per-replica values for the logs. Reducers that
+build on a `tf.distribute` strategy (in-process and multi-worker) share the implementation here;
+Horovod overrides it with its own collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar
+
+import tensorflow as tf
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """Base class of kmirror's reducers: how gradients are summed across replicas.
+
+    A reducer is chosen by name (`kmirror.wrap(model, reducer="hierarchical_copy")`) or passed as an
+    object carrying options (`kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=2))`).
+    A reducer object is bound to one model's devices by `wrap`; use a fresh object per model.
+
+    Subclasses that run on a `tf.distribute` strategy implement `make_strategy`; others (Horovod)
+    override the collective methods.
+    """
+
+    name: ClassVar[str] = ""
+    #: Options this reducer accepts, by name (validated by `kmirror.reducers.get`).
+    options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.strategy: tf.distribute.Strategy | None = None
+        self.devices: list[str] = []
+
+    # -- set-up --------------------------------------------------------------------------------
+    def bind(self, devices: list[str]) -> None:
+        """Creates the replicas on `devices` (called once, by `wrap`)."""
+        if self.strategy is not None:
+            raise ValueError(
+                f"this {type(self).__name__} reducer object is already used by another model; "
+                "pass a new reducer object (or the reducer's name) to each kmirror.wrap call."
+            )
+        self.devices = list(devices)
+        self.strategy = self.make_strategy(self.devices)
+
+    def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
+        raise NotImplementedError
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The scope in which variables become mirrored on every replica."""
+        return self.strategy.scope()
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in the whole job (all processes)."""
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def is_chief(self) -> bool:
+        """True in exactly one process of the job."""
+        return True
+
+    # -- collectives used by the step ----------------------------------------------------------
+    def distribute(self, shard_fn: Callable[[int, int], Any]) -> Any:
+        """Per-replica values: `shard_fn(replica_index, num_replicas)` for each local replica."""
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: shard_fn(ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync)
+        )
+
+    def run(self, fn: Callable, args: tuple) -> Any:
+        """Runs `fn` once per local replica, in replica context."""
+        return self.strategy.run(fn, args=args)
+
+    def reduce_gradients(self, gradients: list) -> list:
+        """Sums one replica's gradients with every other replica's, in replica context.
+
+        Strategy-based reducers return the gradients unchanged: Keras' optimizer, applied in
+        replica context, sums them through the strategy's cross-device ops, which is where the
+        chosen all-reduce runs.
+        """
+        return gradients
+
+    def sum(self, per_replica: Any) -> tf.Tensor:
+        """The sum over all replicas of a per-replica scalar."""
+        with self.strategy.scope():
+            return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    def concat(self, per_replica: Any) -> Any:
+        """Per-replica batches joined along the batch axis, in replica order (a nested structure)."""
+        return tf.nest.map_structure(
+            lambda v: tf.concat(self.strategy.experimental_local_results(v), axis=0), per_replica
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} over {self.num_replicas} replica(s)"

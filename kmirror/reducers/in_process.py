@@ -1,0 +1,209 @@
+"""Reducers for several devices in one process, on `tf.distribute.MirroredStrategy`.
+
+Each is a thin choice of TensorFlow's cross-device ops. `HierarchicalCopy` replaces TensorFlow's
+grouping, which drops one device's gradient when the device count is odd.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
+
+from kmirror.reducers.base import Reducer
+
+__all__ = ["InProcessReducer", "Nccl", "HierarchicalCopy", "OneDevice", "CrossDeviceOps"]
+
+
+class InProcessReducer(Reducer):
+    """A reducer that mirrors variables on local devices and reduces with a `CrossDeviceOps`."""
+
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        raise NotImplementedError
+
+    def check_devices(self, devices: list[str]) -> None:
+        """Raises a ValueError naming the fix when this reducer cannot run on `devices`."""
+
+    def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
+        self.check_devices(devices)
+        return tf.distribute.MirroredStrategy(devices, cross_device_ops=self.cross_device_ops())
+
+
+class Nccl(InProcessReducer):
+    """NVIDIA NCCL all-reduce between the GPUs of one machine.
+
+    The fastest choice with two or more GPUs: gradients move GPU to GPU over NVLink or PCIe,
+    never through host memory. NCCL has no CPU kernels, so it needs at least 2 GPUs.
+
+    Example:
+
+    ```python
+    model = kmirror.wrap(model, reducer=kmirror.reducers.Nccl(num_packs=2))
+    ```
+
+    Args:
+        num_packs: how many packs gradients are concatenated into before the all-reduce
+            (0: none, each gradient separately).
+    """
+
+    name = "nccl"
+    options = ("num_packs",)
+
+    def __init__(self, num_packs: int = 1) -> None:
+        super().__init__()
+        self.num_packs = _num_packs(num_packs)
+
+    def check_devices(self, devices: list[str]) -> None:
+        require_gpus(self.name, devices)
+
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        return tf.distribute.NcclAllReduce(num_packs=self.num_packs)
+
+
+class HierarchicalCopy(InProcessReducer):
+    """Hierarchical copy all-reduce: sum within two groups of devices, then between the groups.
+
+    Designed for machines whose GPUs form two fully connected groups (DGX-1 style); it runs on any
+    devices, CPUs included. Unlike TensorFlow's `HierarchicalCopyAllReduce`, it gives the exact
+    sum on every device count, odd counts included.
+
+    Example:
+
+    ```python
+    model = kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=1))
+    ```
+
+    Args:
+        num_packs: how many packs gradients are concatenated into before the all-reduce
+            (0: none, each gradient separately).
+    """
+
+    name = "hierarchical_copy"
+    options = ("num_packs",)
+
+    def __init__(self, num_packs: int = 1) -> None:
+        super().__init__()
+        self.num_packs = _num_packs(num_packs)
+
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        return _HierarchicalCopyAllReduce(num_packs=self.num_packs)
+
+
+class OneDevice(InProcessReducer):
+    """Reduction to one device: every replica's gradient is copied to one device, summed there,
+    and the sum is copied back.
+
+    Simple and correct everywhere; the default on CPUs. Its cost grows with the replica count,
+    since one device receives every gradient.
+
+    Example:
+
+    ```python
+    model = kmirror.wrap(model, reducer=kmirror.reducers.OneDevice(reduce_to_device="/cpu:0"))
+    ```
+
+    Args:
+        reduce_to_device: the device that sums (default: the first replica's device).
+    """
+
+    name = "one_device"
+    options = ("reduce_to_device",)
+
+    def __init__(self, reduce_to_device: str | None = None) -> None:
+        super().__init__()
+        self.reduce_to_device = reduce_to_device
+
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        return tf.distribute.ReductionToOneDevice(reduce_to_device=self.reduce_to_device)
+
+
+class CrossDeviceOps(InProcessReducer):
+    """Any `tf.distribute.CrossDeviceOps` object of your own, used as the reducer.
+
+    `kmirror.wrap(model, reducer=my_cross_device_ops)` wraps it in this class.
+
+    Example:
+
+    ```python
+    ops = tf.distribute.ReductionToOneDevice()
+    model = kmirror.wrap(model, reducer=kmirror.reducers.CrossDeviceOps(ops))
+    ```
+
+    Args:
+        ops: the cross-device ops that sum the gradients.
+    """
+
+    name = "custom"
+
+    def __init__(self, ops: tf.distribute.CrossDeviceOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
+        return self.ops
+
+
+def require_gpus(reducer: str, devices: list[str]) -> None:
+    """NCCL has no CPU kernels: fail at `wrap`, naming the fix, not at the first step."""
+    found = sum("GPU" in d.upper() for d in devices)
+    if found < 2 or found != len(devices):
+        raise ValueError(
+            f"reducer '{reducer}' needs at least 2 GPUs and only GPUs; found {found} GPU(s) among "
+            f"the devices {devices}. Use reducer='hierarchical_copy' or 'one_device' on CPUs, "
+            "or reducer='auto' to let kmirror choose."
+        )
+
+
+def _num_packs(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"num_packs must be a whole number >= 0; got {value!r}.")
+    return value
+
+
+class _HierarchicalCopyAllReduce(tf.distribute.HierarchicalCopyAllReduce):
+    """TensorFlow's hierarchical copy with groups that cover every device.
+
+    TensorFlow splits n devices into two groups of n // 2, so for odd n the last device's value is
+    never added. Here the groups are the first n // 2 devices and the remaining n - n // 2.
+    """
+
+    def _do_batch_all_reduce(self, reduce_op, dense_values):
+        destinations = dense_values[0]._devices
+        grouped = tf_cross_device_ops._group_value_by_device(dense_values)
+        packs, packer = tf_cross_device_ops._pack_tensors(grouped, self._num_packs)
+        reduced = hierarchical_copy_sum(destinations, packs)
+        reduced = tf_cross_device_ops._unpack_tensors(reduced, packer)
+        return tf_cross_device_ops._ungroup_and_make_mirrored(reduced, dense_values[0], reduce_op)
+
+
+def hierarchical_copy_sum(devices, device_grads):
+    """Sums `device_grads[d][i] = (tensor_i on device d, var)` over d, in two groups.
+
+    Returns the same layout, each device holding the total. The root of each group rotates with
+    the tensor index so that no single device does all the adding.
+    """
+    n = len(devices)
+    half = n // 2
+    groups = [list(range(half)), list(range(half, n))] if n > 1 else [[0]]
+    totals = []
+    for i, single in enumerate(zip(*device_grads)):
+        values = [grad for grad, _ in single]
+        # Alternate which group finishes the sum, as TensorFlow's version does.
+        order = groups if (i % n) < half or n == 1 else groups[::-1]
+        roots = [group[i % len(group)] for group in order]
+        partial = []
+        for group, root in zip(order, roots):
+            with tf.device(devices[root]):
+                partial.append(tf.math.add_n([values[d] for d in group]))
+        with tf.device(devices[roots[0]]):
+            total = tf.math.add_n(partial)
+        at_root = {roots[0]: total}
+        for root in roots[1:]:
+            with tf.device(devices[root]):
+                at_root[root] = tf.identity(total)
+        per_device = []
+        for d in range(n):
+            source = next(at_root[r] for g, r in zip(order, roots) if d in g)
+            with tf.device(devices[d]):
+                per_device.append((tf.identity(source), single[d][1]))
+        totals.append(per_device)
+    return [list(per_device) for per_device in zip(*totals)]
