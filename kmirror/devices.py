@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["simulate", "local_devices", "gpus"]
+__all__ = ["simulate", "local_devices", "gpus", "gpu_count"]
 
 
 def simulate(n: int) -> list[str]:
@@ -47,6 +47,11 @@ def simulate(n: int) -> list[str]:
             "top of the script or notebook, before building any model or tensor."
         ) from error
     return _names("CPU")
+
+
+def gpu_count() -> int:
+    """How many physical GPUs this machine has; safe to call before `simulate`."""
+    return len(tf.config.list_physical_devices("GPU"))
 
 
 def gpus() -> list[str]:

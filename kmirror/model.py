@@ -199,8 +199,8 @@ class MirroredModel(keras.Model):
 
     def _assert_compile_called(self, method_name=None):
         if not self.compiled:
-            raise RuntimeError(
-                f"the model must be compiled before `{method_name or 'training'}`: call "
+            raise ValueError(
+                f"the model must be compiled before `{method_name or 'training'}()`: call "
                 "model.compile(optimizer=..., loss=...) on the original model before "
                 "kmirror.wrap, or on the wrapped model."
             )
@@ -234,7 +234,13 @@ class MirroredModel(keras.Model):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds models inside the strategy scope from one batch; kmirror does the same
         # for the replicas, from a global batch, so uneven batches never reach the build.
-        if self._replica.built and (self.optimizer is None or self.optimizer.built):
+        replica = self._replica
+        compile_loss = replica._compile_loss
+        if (
+            replica.built
+            and (replica.optimizer is None or replica.optimizer.built)
+            and (compile_loss is None or compile_loss.built)
+        ):
             return
         if data_batch is None:
             for _, _, batches in iterator:

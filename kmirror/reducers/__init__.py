@@ -66,8 +66,8 @@ def get(reducer, devices: list[str], **options) -> Reducer:
             f"got {type(reducer).__name__}."
         )
     if reducer not in REDUCERS:
-        close = difflib.get_close_matches(reducer, REDUCERS, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        close = _closest(reducer)
+        hint = f" Did you mean '{close}'?" if close else ""
         raise ValueError(
             f"unknown reducer '{reducer}'.{hint} Valid reducers: {', '.join(REDUCERS)}."
         )
@@ -87,6 +87,16 @@ def get(reducer, devices: list[str], **options) -> Reducer:
             f"it accepts: {accepted}."
         )
     return cls(**options)
+
+
+def _closest(name: str) -> str | None:
+    """The valid name a misspelling most likely meant ('one-device', 'NCCL', 'nccl_allreduce')."""
+    spelled = name.strip().lower().replace("-", "_").replace(" ", "_")
+    for valid in REDUCERS:
+        if spelled == valid or spelled.startswith(valid) or valid.startswith(spelled or "?"):
+            return valid
+    close = difflib.get_close_matches(spelled, REDUCERS, n=1, cutoff=0.5)
+    return close[0] if close else None
 
 
 def auto(devices: list[str]) -> str:

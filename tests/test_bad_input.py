@@ -1,0 +1,123 @@
+"""Bad input gets an error of the right type that names the fix, and leaves the user's model as it
+was and usable."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+from models import BATCH, dense_data, dense_model
+
+import kmirror
+
+
+@pytest.fixture
+def model():
+    """A compiled model, and a check that it is unchanged and still trains after the error."""
+    original = dense_model()
+    before = [w.copy() for w in original.get_weights()]
+    yield original
+    for w, b in zip(original.get_weights(), before):
+        np.testing.assert_array_equal(w, b)
+    assert int(original.optimizer.iterations) == 0
+    x, y = dense_data()
+    original.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "reducer, match",
+    [
+        ("nccl_allreduce", "unknown reducer 'nccl_allreduce'. Did you mean 'nccl'"),
+        ("one-device", "Did you mean 'one_device'"),
+        ("banana", "Valid reducers: auto, nccl, hierarchical_copy, one_device, horovod, ring"),
+    ],
+)
+def test_unknown_reducer_lists_the_valid_names(model, reducer, match):
+    with pytest.raises(ValueError, match=match):
+        kmirror.wrap(model, reducer=reducer, devices=cpus(2))
+
+
+def test_nccl_without_gpus_says_gpus_are_needed_and_what_to_use(model):
+    with pytest.raises(ValueError, match="needs at least 2 GPUs") as error:
+        kmirror.wrap(model, reducer="nccl", devices=cpus(2))
+    assert "reducer='hierarchical_copy' or 'one_device' on CPUs" in str(error.value)
+    with pytest.raises(ValueError, match="found 0 GPU"):
+        kmirror.wrap(model, reducer=kmirror.reducers.Nccl(), devices=cpus(3))
+
+
+def test_reducers_not_in_this_version_say_what_to_use(model):
+    for name in ("horovod", "ring"):
+        with pytest.raises(NotImplementedError, match="Use reducer='hierarchical_copy'"):
+            kmirror.wrap(model, reducer=name, devices=cpus(2))
+
+
+def test_options_that_do_not_apply_are_refused(model):
+    with pytest.raises(ValueError, match="does not take the option.*reduce_to_device.*num_packs"):
+        kmirror.wrap(model, "hierarchical_copy", devices=cpus(2), reduce_to_device="/cpu:0")
+    with pytest.raises(ValueError, match="num_packs must be a whole number >= 0"):
+        kmirror.wrap(model, "hierarchical_copy", devices=cpus(2), num_packs=-1)
+    with pytest.raises(ValueError, match="set them on the object instead"):
+        kmirror.wrap(model, kmirror.reducers.OneDevice(), devices=cpus(2), num_packs=2)
+
+
+def test_duplicate_devices(model):
+    with pytest.raises(ValueError, match="more than once; give each device once"):
+        kmirror.wrap(model, devices=["/cpu:0", "/device:CPU:0"])
+
+
+def test_devices_and_num_gpus_together(model):
+    with pytest.raises(ValueError, match="either devices=.* or num_gpus=N.*not both"):
+        kmirror.wrap(model, devices=cpus(2), num_gpus=0)
+
+
+def test_devices_that_do_not_exist(model):
+    with pytest.raises(ValueError, match="do not exist here.*kmirror.devices.simulate"):
+        kmirror.wrap(model, devices=["/gpu:0", "/gpu:1"])
+    with pytest.raises(ValueError, match="num_gpus=2 asks for more GPUs than this machine has"):
+        kmirror.wrap(model, num_gpus=2)
+
+
+def test_a_reducer_object_serves_one_model(model):
+    reducer = kmirror.reducers.OneDevice()
+    kmirror.wrap(dense_model(), reducer, devices=cpus(2))
+    with pytest.raises(ValueError, match="pass a new reducer object"):
+        kmirror.wrap(model, reducer, devices=cpus(2))
+
+
+@pytest.mark.parametrize("thing", [object(), "model.keras", keras.layers.Dense(3)])
+def test_something_that_is_not_a_model(thing):
+    with pytest.raises(TypeError, match="kmirror.wrap expects a keras.Model"):
+        kmirror.wrap(thing, devices=cpus(2))
+
+
+def test_wrapping_twice(model):
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    with pytest.raises(ValueError, match="already a kmirror.MirroredModel.*unwrap"):
+        kmirror.wrap(wrapped, devices=cpus(2))
+
+
+def test_a_model_with_its_own_train_step(model):
+    class Custom(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    custom = Custom([keras.Input((8,)), keras.layers.Dense(3)])
+    custom.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="overrides train_step.*cannot normalise its loss"):
+        kmirror.wrap(custom, devices=cpus(2))
+
+
+def test_fit_before_compile_says_compile():
+    x, y = dense_data()
+    wrapped = kmirror.wrap(dense_model(compiled=False), devices=cpus(2))
+    with pytest.raises(ValueError, match=r"must be compiled before `fit\(\)`.*model.compile"):
+        wrapped.fit(x, y, verbose=0)
+    with pytest.raises(ValueError, match=r"must be compiled before `evaluate\(\)`"):
+        wrapped.evaluate(x, y, verbose=0)
+
+
+def test_simulate_after_tensorflow_started_says_to_call_it_first():
+    with pytest.raises(RuntimeError, match=r"Call kmirror.devices.simulate\(3\) first"):
+        kmirror.devices.simulate(3)
+    assert len(kmirror.devices.simulate(7)) == 7, "the same count again is harmless"
+    with pytest.raises(ValueError, match="whole number n >= 1"):
+        kmirror.devices.simulate(0)

@@ -1,0 +1,131 @@
+"""fit / evaluate / predict take every input Keras takes and work with plain Keras callbacks,
+giving the single-device results."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+from models import BATCH, assert_same_history, dense_data, dense_model, max_weight_difference
+
+import kmirror
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+def both(fit_args: dict, n=3, **compile_args):
+    """Trains the same model on one device and wrapped on n; returns (reference, model, histories)."""
+    reference = dense_model(**compile_args)
+    model = kmirror.wrap(dense_model(**compile_args), reducer="hierarchical_copy", devices=cpus(n))
+    histories = []
+    for m in (reference, model):
+        args = {k: (v() if callable(v) and k == "callbacks" else v) for k, v in fit_args.items()}
+        histories.append(m.fit(verbose=0, **args).history)
+    return reference, model, histories
+
+
+def test_tf_data_dataset():
+    x, y = dense_data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    reference, model, (h0, h1) = both(dict(x=data, epochs=3, shuffle=False))
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(h0, h1)
+
+
+def test_py_dataset():
+    x, y = dense_data()
+    reference, model, (h0, h1) = both(dict(x=Batches(x, y, BATCH), epochs=3, shuffle=False))
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(h0, h1)
+
+
+def test_validation_data_and_class_weight():
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    fit_args = dict(
+        x=x,
+        y=y,
+        batch_size=BATCH,
+        epochs=3,
+        shuffle=False,
+        validation_data=(xv, yv),
+        class_weight={0: 1.0, 1: 2.0, 2: 0.5},
+    )
+    reference, model, (h0, h1) = both(fit_args)
+    assert {"val_loss", "val_accuracy"} <= set(h1)
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(h0, h1)
+
+
+def test_validation_split_and_steps_per_execution():
+    x, y = dense_data()
+    fit_args = dict(x=x, y=y, batch_size=BATCH, epochs=2, shuffle=False, validation_split=0.2)
+    reference, model, (h0, h1) = both(fit_args, steps_per_execution=2)
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(h0, h1)
+
+
+def test_early_stopping_stops_at_the_same_epoch():
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+
+    def callbacks():
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=0.05)]
+
+    fit_args = dict(
+        x=x, y=y, batch_size=BATCH, epochs=30, shuffle=False, validation_data=(xv, yv)
+    )
+    fit_args["callbacks"] = callbacks
+    reference, model, (h0, h1) = both(fit_args)
+    assert 1 < len(h0["loss"]) < 30, "the scenario must stop early"
+    assert len(h1["loss"]) == len(h0["loss"])
+    assert_same_history(h0, h1)
+
+
+def test_learning_rate_scheduler_changes_the_replicas_optimizer():
+    x, y = dense_data()
+
+    def callbacks():
+        return [keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 / (epoch + 1))]
+
+    fit_args = dict(x=x, y=y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=callbacks)
+    reference, model, (h0, h1) = both(fit_args)
+    assert h1["learning_rate"] == pytest.approx([0.1, 0.05, 0.1 / 3])
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(h0, h1)
+
+
+def test_evaluate_return_dict_and_predict_on_dataset():
+    x, y = dense_data()
+    reference = dense_model()
+    model = kmirror.wrap(dense_model(), devices=cpus(2))
+    expected = reference.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    actual = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
+    assert actual == pytest.approx(expected, rel=1e-6)
+    data = tf.data.Dataset.from_tensor_slices(x).batch(BATCH)
+    np.testing.assert_allclose(model.predict(data, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
+
+
+def test_train_on_batch_and_uncompiled_then_compiled():
+    x, y = dense_data()
+    reference = dense_model(compiled=False)
+    model = kmirror.wrap(dense_model(compiled=False), devices=cpus(2))
+    for m in (reference, model):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    for start in range(0, 99, BATCH):
+        rows = slice(start, start + BATCH)
+        expected = reference.train_on_batch(x[rows], y[rows])
+        actual = model.train_on_batch(x[rows], y[rows])
+        assert actual == pytest.approx(expected, rel=1e-6)
+    assert max_weight_difference(reference, model) < 1e-6

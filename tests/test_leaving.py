@@ -1,0 +1,103 @@
+"""Leaving kmirror: unwrap() gives a plain model, save() a plain .keras file, with all state."""
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+from conftest import cpus
+from models import BATCH, dense_data, dense_model, max_weight_difference, multi_io_data
+from models import multi_io_model
+
+import kmirror
+
+
+def trained(n=2):
+    x, y = dense_data()
+    model = kmirror.wrap(dense_model("adam"), reducer="hierarchical_copy", devices=cpus(n))
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return model, x, y
+
+
+def test_unwrap_returns_a_plain_model_with_weights_and_optimizer_state():
+    model, x, y = trained()
+    plain = model.unwrap()
+    assert not isinstance(plain, kmirror.MirroredModel)
+    assert type(plain) is keras.Sequential
+    assert max_weight_difference(plain, model) == 0
+    assert plain.compiled and isinstance(plain.optimizer, keras.optimizers.Adam)
+    assert int(plain.optimizer.iterations) == 8
+    for a, b in zip(plain.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+    # Both continue identically: the unwrapped model on one device, the wrapped on two.
+    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_difference(plain, model) < 1e-4
+    np.testing.assert_allclose(
+        plain.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5
+    )
+
+
+def test_saved_file_loads_and_predicts_in_a_process_without_kmirror(tmp_path):
+    model, x, _ = trained()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "expected.npy", model.predict(x, verbose=0))
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np, keras
+        model = keras.models.load_model({str(path)!r})
+        assert "kmirror" not in sys.modules, "kmirror must not be needed"
+        x = np.load({str(tmp_path / "x.npy")!r})
+        expected = np.load({str(tmp_path / "expected.npy")!r})
+        np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-6)
+        assert int(model.optimizer.iterations) == 8, int(model.optimizer.iterations)
+        print("OK", type(model).__name__)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "OK Sequential" in done.stdout
+
+
+def test_saved_model_wrapped_again_continues_training(tmp_path):
+    model, x, y = trained()
+    model.save(tmp_path / "m.keras")
+    again = kmirror.wrap(keras.models.load_model(tmp_path / "m.keras"), devices=cpus(3))
+    assert int(again.optimizer.iterations.numpy()) == 8
+    again.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_difference(again, model) < 1e-4
+
+
+def test_weights_files_fit_the_original_model(tmp_path):
+    model, x, _ = trained()
+    model.save_weights(tmp_path / "w.weights.h5")
+    original = dense_model("adam")
+    original.load_weights(tmp_path / "w.weights.h5")
+    assert max_weight_difference(original, model) == 0
+    fresh = kmirror.wrap(dense_model("adam"), devices=cpus(2))
+    fresh.load_weights(tmp_path / "w.weights.h5")
+    assert max_weight_difference(fresh, model) == 0
+
+
+def test_multi_output_model_round_trips(tmp_path):
+    x, y, sample_weight = multi_io_data()
+    model = kmirror.wrap(multi_io_model(), devices=cpus(2))
+    model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH, epochs=1, verbose=0)
+    model.save(tmp_path / "multi.keras")
+    loaded = keras.models.load_model(tmp_path / "multi.keras")
+    expected = model.predict(x, verbose=0)
+    actual = loaded.predict(x, verbose=0)
+    for key in expected:
+        np.testing.assert_allclose(actual[key], expected[key], atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, sample_weight=sample_weight, verbose=0),
+        model.evaluate(x, y, sample_weight=sample_weight, verbose=0),
+        rtol=1e-5,
+    )

@@ -1,0 +1,66 @@
+"""The reducer chosen is the reducer that runs, whether the model asks for XLA or not.
+
+Keras turns XLA on by default when a GPU is visible, and TensorFlow then silently swaps a
+MirroredStrategy's cross-device ops for its collective ops. kmirror compiles only each replica's
+forward and backward pass with XLA; the reduction and the update run outside it.
+"""
+
+import keras
+import pytest
+import tensorflow as tf
+from conftest import cpus
+from models import BATCH, assert_same_history, dense_data, dense_model, max_weight_difference
+
+import kmirror
+
+
+class CountingReduction(tf.distribute.ReductionToOneDevice):
+    """Reduction to one device that counts the batch reductions it is asked to build."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self.calls += 1
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True, "auto"])
+def test_the_chosen_reducer_runs_with_and_without_xla(jit_compile):
+    x, y = dense_data()
+    reference = dense_model(jit_compile=jit_compile)
+    reference_history = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    counting = CountingReduction()
+    model = kmirror.wrap(dense_model(jit_compile=jit_compile), reducer=counting, devices=cpus(3))
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    assert counting.calls > 0, "the gradients were not reduced by the chosen reducer"
+    # "auto" resolves to no XLA on a machine without GPUs, as in Keras.
+    assert model.replica_jit_compile is (jit_compile is True)
+    assert model.jit_compile is False, "the step around the reduction is never XLA-compiled"
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(reference_history.history, history.history)
+
+
+class HostOnly(keras.layers.Layer):
+    """A layer XLA cannot compile: it runs a Python function on the host."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: a, [x], tf.float32)
+        return tf.ensure_shape(y, x.shape)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_replica_passes_are_xla_compiled_exactly_when_asked(jit_compile):
+    model = keras.Sequential([keras.Input((8,)), HostOnly(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    model = kmirror.wrap(model, reducer="one_device", devices=cpus(2))
+    x, _ = dense_data()
+    y = x[:, :3]
+    if jit_compile:
+        with pytest.raises(Exception, match="(?i)xla|compil"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    else:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
