@@ -67,9 +67,21 @@ def one_side(side: str, reducer: str, n: int, samples: int, steps: int) -> None:
 
 def peak_memory(side: str, reducer: str, n: int, samples: int) -> float:
     done = subprocess.run(
-        [sys.executable, __file__, "--child", side, reducer, "--devices", str(n),
-         "--samples", str(samples)],
-        capture_output=True, text=True, timeout=600, check=True,
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            side,
+            reducer,
+            "--devices",
+            str(n),
+            "--samples",
+            str(samples),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
 
@@ -90,7 +102,9 @@ def main():
     reducers = REDUCERS + (("nccl",) if kmirror.devices.gpu_count() >= 2 else ())
     overhead, memory, details = {}, {}, {}
     for reducer in reducers:
-        sides = {side: build(side, reducer, devices, args.samples) for side in ("kmirror", "native")}
+        sides = {
+            side: build(side, reducer, devices, args.samples) for side in ("kmirror", "native")
+        }
         for model, x, y in sides.values():  # warm-up: tracing
             common.seconds_per_step(model, x, y, BATCH)
         medians = common.interleaved(
@@ -106,15 +120,22 @@ def main():
             "kmirror_peak_mib": round(peaks["kmirror"], 1),
             "native_peak_mib": round(peaks["native"], 1),
         }
-        print(f"{reducer}: time x{overhead[reducer]:.3f}, peak memory x{memory[reducer]:.3f}  "
-              f"{details[reducer]}")
+        print(
+            f"{reducer}: time x{overhead[reducer]:.3f}, peak memory x{memory[reducer]:.3f}  "
+            f"{details[reducer]}"
+        )
 
     common.update_results("wrapper_overhead", overhead)
     common.update_results("wrapper_peak_memory", memory)
     common.update_results(
         "wrapper_overhead_details",
-        {"replicas": args.devices, "global_batch": BATCH, "rounds": args.rounds,
-         "machine": common.machine(), **details},
+        {
+            "replicas": args.devices,
+            "global_batch": BATCH,
+            "rounds": args.rounds,
+            "machine": common.machine(),
+            **details,
+        },
     )
     print(f"wrote {common.RESULTS}")
 

@@ -102,7 +102,9 @@ def main():
             float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), baseline.get_weights())
         )
         name = reducer if reducer != "auto" else f"auto -> {model.reducer}"
-        rows.append((name, model.num_replicas, loss, accuracy, speed.samples_per_second, difference))
+        rows.append(
+            (name, model.num_replicas, loss, accuracy, speed.samples_per_second, difference)
+        )
 
     print(
         f"\ndigits: {len(x)} training / {len(x_test)} test samples, global batch "

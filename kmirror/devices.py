@@ -1,4 +1,4 @@
-"""Which devices replicas run on, and splitting the host CPU into several for machines without GPUs."""
+"""Which devices replicas run on, and splitting the host CPU into several without GPUs."""
 
 from __future__ import annotations
 

@@ -277,8 +277,11 @@ class MirroredModel(keras.Model):
             args = dict(self._user_compile)
             plain.compile(
                 optimizer=_new_optimizer(self.optimizer),
-                **{**args, "metrics": _fresh_metrics(args["metrics"]),
-                   "weighted_metrics": _fresh_metrics(args["weighted_metrics"])},
+                **{
+                    **args,
+                    "metrics": _fresh_metrics(args["metrics"]),
+                    "weighted_metrics": _fresh_metrics(args["weighted_metrics"]),
+                },
             )
             if plain.built:
                 _build_optimizer(plain)
@@ -350,7 +353,7 @@ def _check_step_is_standard(model: keras.Model) -> None:
 
 @contextlib.contextmanager
 def _uncompiled(model: keras.Model):
-    """Lets clone_model skip re-compiling the clone from serialised settings (kmirror compiles it)."""
+    """Keeps clone_model from compiling the clone from serialised settings; kmirror compiles it."""
     compiled = model.compiled
     model.compiled = False
     try:

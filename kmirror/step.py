@@ -31,7 +31,7 @@ def batch_size(data: Any) -> tf.Tensor:
 
 
 def shard(data: Any, index: int, count: int) -> Any:
-    """Replica `index` of `count`'s rows of every tensor in `data`: `[index*B//count, (index+1)*B//count)`."""
+    """Rows `[index*B//count, (index+1)*B//count)` of every tensor in `data`."""
     rows = batch_size(data)
     start = rows * index // count
     stop = rows * (index + 1) // count

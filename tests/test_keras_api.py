@@ -25,7 +25,7 @@ class Batches(keras.utils.PyDataset):
 
 
 def both(fit_args: dict, n=3, **compile_args):
-    """Trains the same model on one device and wrapped on n; returns (reference, model, histories)."""
+    """Trains the same model on one device and wrapped on n: (reference, model, histories)."""
     reference = dense_model(**compile_args)
     model = kmirror.wrap(dense_model(**compile_args), reducer="hierarchical_copy", devices=cpus(n))
     histories = []
@@ -83,9 +83,7 @@ def test_early_stopping_stops_at_the_same_epoch():
     def callbacks():
         return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=0.05)]
 
-    fit_args = dict(
-        x=x, y=y, batch_size=BATCH, epochs=30, shuffle=False, validation_data=(xv, yv)
-    )
+    fit_args = dict(x=x, y=y, batch_size=BATCH, epochs=30, shuffle=False, validation_data=(xv, yv))
     fit_args["callbacks"] = callbacks
     reference, model, (h0, h1) = both(fit_args)
     assert 1 < len(h0["loss"]) < 30, "the scenario must stop early"
@@ -114,7 +112,9 @@ def test_evaluate_return_dict_and_predict_on_dataset():
     actual = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
     assert actual == pytest.approx(expected, rel=1e-6)
     data = tf.data.Dataset.from_tensor_slices(x).batch(BATCH)
-    np.testing.assert_allclose(model.predict(data, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        model.predict(data, verbose=0), reference.predict(x, verbose=0), atol=1e-6
+    )
 
 
 def test_train_on_batch_and_uncompiled_then_compiled():

@@ -7,8 +7,14 @@ import textwrap
 import keras
 import numpy as np
 from conftest import cpus
-from models import BATCH, dense_data, dense_model, max_weight_difference, multi_io_data
-from models import multi_io_model
+from models import (
+    BATCH,
+    dense_data,
+    dense_model,
+    max_weight_difference,
+    multi_io_data,
+    multi_io_model,
+)
 
 import kmirror
 

@@ -53,7 +53,7 @@ def test_hierarchical_copy_is_exact_for_odd_counts_with_any_packing(n, num_packs
 
 
 def test_the_check_catches_tensorflows_odd_count_hierarchical_copy():
-    """TensorFlow's own HierarchicalCopyAllReduce drops a device on odd counts; the check above sees it."""
+    """TensorFlow's HierarchicalCopyAllReduce drops a device on odd counts: the check sees it."""
     per_tensor = all_reduce(reducers.CrossDeviceOps(tf.distribute.HierarchicalCopyAllReduce()), 3)
     assert not all(np.all(r == 6) for r in per_tensor[0])
 

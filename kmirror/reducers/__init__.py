@@ -43,7 +43,7 @@ _BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice)}
 
 
 def get(reducer, devices: list[str], **options) -> Reducer:
-    """Turns what the user passed as `reducer` (a name, a Reducer, or CrossDeviceOps) into a Reducer.
+    """Turns the `reducer` argument (a name, a Reducer or a CrossDeviceOps) into a Reducer.
 
     Args:
         reducer: a name from `REDUCERS`, a `Reducer` object, or a `tf.distribute.CrossDeviceOps`.
@@ -100,7 +100,7 @@ def _closest(name: str) -> str | None:
 
 
 def auto(devices: list[str]) -> str:
-    """What TensorFlow's MirroredStrategy would pick: NCCL between 2+ physical GPUs, else one device."""
+    """What TensorFlow's MirroredStrategy would pick: NCCL on 2+ physical GPUs, else one device."""
     all_gpus = devices and all("GPU" in d.upper() for d in devices)
     physical = len(tf.config.list_physical_devices("GPU"))
     if all_gpus and len(devices) >= 2 and physical >= 2 and tf.test.is_built_with_cuda():

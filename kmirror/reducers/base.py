@@ -10,7 +10,8 @@ Horovod overrides it with its own collectives.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import tensorflow as tf
 
@@ -21,7 +22,8 @@ class Reducer:
     """Base class of kmirror's reducers: how gradients are summed across replicas.
 
     A reducer is chosen by name (`kmirror.wrap(model, reducer="hierarchical_copy")`) or passed as an
-    object carrying options (`kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=2))`).
+    object carrying options
+    (`kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=2))`).
     A reducer object is bound to one model's devices by `wrap`; use a fresh object per model.
 
     Subclasses that run on a `tf.distribute` strategy implement `make_strategy`; others (Horovod)
@@ -91,7 +93,7 @@ class Reducer:
             return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def concat(self, per_replica: Any) -> Any:
-        """Per-replica batches joined along the batch axis, in replica order (a nested structure)."""
+        """Per-replica batches joined along the batch axis, in replica order (nested)."""
         return tf.nest.map_structure(
             lambda v: tf.concat(self.strategy.experimental_local_results(v), axis=0), per_replica
         )
