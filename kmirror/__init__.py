@@ -7,10 +7,19 @@ model.fit(x, y, batch_size=256, epochs=10)
 ```
 """
 
-from kmirror import devices, reducers
+from kmirror import devices, errors, launch, reducers
 from kmirror.model import MirroredModel, wrap
 from kmirror.reducers import REDUCERS
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "MirroredModel", "REDUCERS", "reducers", "devices", "__version__"]
+__all__ = [
+    "wrap",
+    "MirroredModel",
+    "REDUCERS",
+    "reducers",
+    "devices",
+    "launch",
+    "errors",
+    "__version__",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["simulate", "local_devices", "gpus", "gpu_count"]
+__all__ = ["simulate", "local_devices", "choose", "gpus", "gpu_count"]
 
 
 def simulate(n: int) -> list[str]:
@@ -78,6 +78,42 @@ def local_devices(num_gpus: int | None = None) -> list[str]:
             f"Pass num_gpus <= {len(available)}, or num_gpus=0 to train on the CPU."
         )
     return available[:num_gpus]
+
+
+def choose(devices: list[str] | None = None, num_gpus: int | None = None) -> list[str]:
+    """Checks the devices a user asked for (by name or by GPU count); returns them canonically.
+
+    Args:
+        devices: device names such as `["/gpu:0", "/gpu:1"]`; default: `local_devices(num_gpus)`.
+        num_gpus: the first `num_gpus` GPUs (0: the CPU devices); not together with `devices`.
+    """
+    if devices is not None and num_gpus is not None:
+        raise ValueError(
+            "pass either devices=[...] or num_gpus=N, not both: devices names the exact devices, "
+            "num_gpus takes the first N GPUs."
+        )
+    if devices is None:
+        return local_devices(num_gpus)
+    if isinstance(devices, str) or not devices:
+        raise ValueError(
+            f"devices must be a non-empty list of device names such as ['/gpu:0', '/gpu:1']; "
+            f"got {devices!r}."
+        )
+    names = [canonical(d) for d in devices]
+    repeated = sorted({d for d in names if names.count(d) > 1})
+    if repeated:
+        raise ValueError(
+            f"devices lists {', '.join(repeated)} more than once; give each device once "
+            "(one replica per device)."
+        )
+    known = {canonical(d.name) for d in tf.config.list_logical_devices()}
+    missing = [d for d, name in zip(devices, names) if name not in known]
+    if missing:
+        raise ValueError(
+            f"devices {missing} do not exist here; available: {sorted(known)}. Without GPUs, "
+            "call kmirror.devices.simulate(n) first to split the CPU into n devices."
+        )
+    return names
 
 
 def _names(kind: str) -> list[str]:

@@ -17,7 +17,6 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import devices as devices_lib
 from kmirror import reducers, step
 from kmirror.reducers.base import Reducer
 
@@ -73,9 +72,8 @@ def wrap(
             "(keras.Sequential, the functional API, or a keras.Model subclass) and pass that."
         )
     _check_step_is_standard(model)
-    devices = _choose_devices(devices, num_gpus)
-    chosen = reducers.get(reducer, devices, **reducer_options)
-    chosen.bind(devices)
+    chosen = reducers.get(reducer, devices=devices, num_gpus=num_gpus, **reducer_options)
+    chosen.bind(devices=devices, num_gpus=num_gpus)
     return MirroredModel(model, chosen)
 
 
@@ -251,6 +249,24 @@ class MirroredModel(keras.Model):
             if self._replica.compiled:
                 _build_optimizer(self._replica)
 
+    def fit(self, *args, **kwargs):
+        self._synchronized = False
+        with self._reducer.failures():
+            return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with self._reducer.failures():
+            return super().evaluate(*args, **kwargs)
+
+    def make_train_function(self, force=False):
+        # Keras calls this once per fit, after building: the moment every process takes the
+        # chief's weights and optimizer state, so that all start identical.
+        function = super().make_train_function(force)
+        if not getattr(self, "_synchronized", False):
+            self._reducer.broadcast(self._replica.variables + list(self.optimizer.variables))
+            self._synchronized = True
+        return function
+
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         if not self._replica.built:
             first = EpochIterator(x=x, batch_size=batch_size, steps_per_epoch=1, shuffle=False)
@@ -258,9 +274,10 @@ class MirroredModel(keras.Model):
                 batch = next(iter(batches)) if isinstance(batches, list) else next(batches)
                 self._maybe_symbolic_build(data_batch=batch)
                 break
-        return super().predict(
-            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
-        )
+        with self._reducer.failures():
+            return super().predict(
+                x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+            )
 
     # -- leaving kmirror ------------------------------------------------------------------------
     def unwrap(self) -> keras.Model:
@@ -312,36 +329,6 @@ class MirroredModel(keras.Model):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _choose_devices(devices, num_gpus) -> list[str]:
-    if devices is not None and num_gpus is not None:
-        raise ValueError(
-            "pass either devices=[...] or num_gpus=N to kmirror.wrap, not both: devices names the "
-            "exact devices, num_gpus takes the first N GPUs."
-        )
-    if devices is None:
-        return devices_lib.local_devices(num_gpus)
-    if isinstance(devices, str) or not devices:
-        raise ValueError(
-            f"devices must be a non-empty list of device names such as ['/gpu:0', '/gpu:1']; "
-            f"got {devices!r}."
-        )
-    canonical = [devices_lib.canonical(d) for d in devices]
-    repeated = sorted({d for d in canonical if canonical.count(d) > 1})
-    if repeated:
-        raise ValueError(
-            f"devices lists {', '.join(repeated)} more than once; give each device once "
-            "(one replica per device)."
-        )
-    known = {devices_lib.canonical(d.name) for d in tf.config.list_logical_devices()}
-    missing = [d for d, c in zip(devices, canonical) if c not in known]
-    if missing:
-        raise ValueError(
-            f"devices {missing} do not exist here; available: {sorted(known)}. Without GPUs, "
-            "call kmirror.devices.simulate(n) first to split the CPU into n devices."
-        )
-    return canonical
-
-
 def _check_step_is_standard(model: keras.Model) -> None:
     if type(model).train_step is not keras.Model.train_step:
         raise ValueError(

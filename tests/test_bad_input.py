@@ -45,9 +45,8 @@ def test_nccl_without_gpus_says_gpus_are_needed_and_what_to_use(model):
 
 
 def test_reducers_not_in_this_version_say_what_to_use(model):
-    for name in ("horovod", "ring"):
-        with pytest.raises(NotImplementedError, match="Use reducer='hierarchical_copy'"):
-            kmirror.wrap(model, reducer=name, devices=cpus(2))
+    with pytest.raises(NotImplementedError, match="Use reducer='horovod', 'hierarchical_copy'"):
+        kmirror.wrap(model, reducer="ring", devices=cpus(2))
 
 
 def test_options_that_do_not_apply_are_refused(model):

@@ -13,10 +13,14 @@
 from __future__ import annotations
 
 import difflib
+import os
 
 import tensorflow as tf
 
+from kmirror import devices as devices_lib
+from kmirror.reducers import compression
 from kmirror.reducers.base import Reducer
+from kmirror.reducers.horovod import Horovod
 from kmirror.reducers.in_process import (
     CrossDeviceOps,
     HierarchicalCopy,
@@ -33,21 +37,23 @@ __all__ = [
     "HierarchicalCopy",
     "OneDevice",
     "CrossDeviceOps",
+    "Horovod",
+    "compression",
     "get",
 ]
 
 #: Every reducer name `kmirror.wrap` accepts.
 REDUCERS = ("auto", "nccl", "hierarchical_copy", "one_device", "horovod", "ring")
 
-_BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice)}
+_BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice, Horovod)}
 
 
-def get(reducer, devices: list[str], **options) -> Reducer:
+def get(reducer, devices=None, num_gpus=None, **options) -> Reducer:
     """Turns the `reducer` argument (a name, a Reducer or a CrossDeviceOps) into a Reducer.
 
     Args:
         reducer: a name from `REDUCERS`, a `Reducer` object, or a `tf.distribute.CrossDeviceOps`.
-        devices: the devices the replicas will run on (decides what `"auto"` picks).
+        devices, num_gpus: the devices asked for (they decide what `"auto"` picks).
         **options: options of the named reducer, such as `num_packs`.
     """
     if isinstance(reducer, Reducer):
@@ -72,11 +78,11 @@ def get(reducer, devices: list[str], **options) -> Reducer:
             f"unknown reducer '{reducer}'.{hint} Valid reducers: {', '.join(REDUCERS)}."
         )
     if reducer == "auto":
-        reducer = auto(devices)
-    if reducer in ("horovod", "ring"):
+        reducer = auto(devices, num_gpus)
+    if reducer == "ring":
         raise NotImplementedError(
             f"reducer '{reducer}' is not available in this version of kmirror yet. "
-            "Use reducer='hierarchical_copy', 'one_device' or 'nccl'."
+            "Use reducer='horovod', 'hierarchical_copy', 'one_device' or 'nccl'."
         )
     cls = _BY_NAME[reducer]
     unknown = sorted(set(options) - set(cls.options))
@@ -99,10 +105,19 @@ def _closest(name: str) -> str | None:
     return close[0] if close else None
 
 
-def auto(devices: list[str]) -> str:
-    """What TensorFlow's MirroredStrategy would pick: NCCL on 2+ physical GPUs, else one device."""
+def auto(devices=None, num_gpus=None) -> str:
+    """Horovod under a Horovod launcher; else what TensorFlow's MirroredStrategy would pick:
+    NCCL on 2+ physical GPUs, else one device."""
+    if launched_by_horovod():
+        return "horovod"
+    devices = devices_lib.choose(devices, num_gpus)
     all_gpus = devices and all("GPU" in d.upper() for d in devices)
     physical = len(tf.config.list_physical_devices("GPU"))
     if all_gpus and len(devices) >= 2 and physical >= 2 and tf.test.is_built_with_cuda():
         return "nccl"
     return "one_device"
+
+
+def launched_by_horovod() -> bool:
+    """True in a process started by horovodrun or `kmirror.launch` for Horovod."""
+    return "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import tensorflow as tf
 
+from kmirror import devices as devices_lib
+
 __all__ = ["Reducer"]
 
 
@@ -39,15 +41,19 @@ class Reducer:
         self.devices: list[str] = []
 
     # -- set-up --------------------------------------------------------------------------------
-    def bind(self, devices: list[str]) -> None:
-        """Creates the replicas on `devices` (called once, by `wrap`)."""
+    def bind(self, devices: list[str] | None = None, num_gpus: int | None = None) -> None:
+        """Creates the replicas on the devices asked for (called once, by `wrap`)."""
         if self.strategy is not None:
             raise ValueError(
                 f"this {type(self).__name__} reducer object is already used by another model; "
                 "pass a new reducer object (or the reducer's name) to each kmirror.wrap call."
             )
-        self.devices = list(devices)
+        self.devices = self.select_devices(devices, num_gpus)
         self.strategy = self.make_strategy(self.devices)
+
+    def select_devices(self, devices: list[str] | None, num_gpus: int | None) -> list[str]:
+        """The local devices this process's replicas run on."""
+        return devices_lib.choose(devices, num_gpus)
 
     def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
         raise NotImplementedError
@@ -97,6 +103,13 @@ class Reducer:
         return tf.nest.map_structure(
             lambda v: tf.concat(self.strategy.experimental_local_results(v), axis=0), per_replica
         )
+
+    def failures(self) -> contextlib.AbstractContextManager:
+        """A context that turns a lost peer's low-level error into `kmirror.errors.PeerLost`."""
+        return contextlib.nullcontext()
+
+    def broadcast(self, variables: list) -> None:
+        """Gives every process the chief's values of `variables` (no-op within one process)."""
 
     def describe(self) -> str:
         return f"{self.name} over {self.num_replicas} replica(s)"

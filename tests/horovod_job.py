@@ -1,0 +1,74 @@
+"""A Horovod job for the tests: `python -m kmirror.launch -n 2 horovod_job.py OUT` (or horovodrun).
+
+Each rank starts from its own random weights (seeded by its rank), trains several models with the
+horovod reducer and writes what it ended with to OUT/rank<r>.pkl.
+"""
+
+import os
+import pickle
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tensorflow as tf  # noqa: E402
+from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
+
+import kmirror  # noqa: E402
+
+EPOCHS = 3
+
+
+def fit(model, *args, **kwargs):
+    return model.fit(*args, batch_size=BATCH, shuffle=False, verbose=0, **kwargs).history
+
+
+def main(out):
+    rank = int(os.environ["HOROVOD_RANK"])
+    seed = 1 + 10 * rank  # different initial weights on every rank
+    x, y = dense_data()
+    results = {}
+
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer="horovod")
+    history = fit(model, x, y, epochs=EPOCHS)
+    results["numpy"] = {
+        "weights": model.get_weights(),
+        "history": history,
+        "evaluate": model.evaluate(x, y, batch_size=7, verbose=0),
+        "predict": model.predict(x, batch_size=10, verbose=0),
+        "is_chief": model.is_chief,
+        "num_replicas": model.num_replicas,
+        "reducer": model.reducer,
+    }
+
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer="auto")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = model.fit(data, epochs=EPOCHS, verbose=0).history
+    results["tf.data"] = {"weights": model.get_weights(), "history": history}
+
+    model = kmirror.wrap(dense_model("sgd", seed=seed, jit_compile=True), reducer="horovod")
+    history = fit(model, x, y, epochs=EPOCHS)
+    results["xla"] = {
+        "weights": model.get_weights(),
+        "history": history,
+        "replica_jit_compile": model.replica_jit_compile,
+    }
+
+    xs, ys, weights = multi_io_data()
+    model = kmirror.wrap(multi_io_model("sgd", seed=seed), reducer="horovod")
+    history = fit(model, xs, ys, sample_weight=weights, epochs=EPOCHS)
+    results["multi_io"] = {"weights": model.get_weights(), "history": history}
+
+    for compression in ("fp16", "bf16"):
+        reducer = kmirror.reducers.Horovod(compression=compression, sparse_as_dense=True)
+        model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=reducer)
+        history = fit(model, x, y, epochs=EPOCHS)
+        results[compression] = {"weights": model.get_weights(), "history": history}
+
+    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+    print(f"rank {rank} done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

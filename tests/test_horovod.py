@@ -1,0 +1,242 @@
+"""The horovod reducer: 2 processes, each starting from its own weights, train exactly as one device
+would with the same global batch, under horovodrun and under kmirror.launch."""
+
+import functools
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from models import (
+    BATCH,
+    assert_same_history,
+    dense_data,
+    dense_model,
+    max_weight_difference,
+    multi_io_data,
+    multi_io_model,
+)
+
+import kmirror
+
+HERE = Path(__file__).parent
+PYTHON = sys.executable
+HOROVODRUN = str(Path(PYTHON).with_name("horovodrun"))
+EPOCHS = 3  # as in horovod_job.py
+JOB_TIMEOUT = 300
+
+
+def command(launcher: str, script: list[str], n: int = 2) -> list[str]:
+    if launcher == "horovodrun":
+        return [HOROVODRUN, "-np", str(n), "-H", f"localhost:{n}", "--gloo", PYTHON, *script]
+    return [PYTHON, "-m", "kmirror.launch", "-n", str(n), "--timeout", str(JOB_TIMEOUT), *script]
+
+
+@functools.cache
+def job(launcher: str, folder: str) -> list[dict]:
+    done = subprocess.run(
+        command(launcher, [str(HERE / "horovod_job.py"), folder]),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT + 30,
+        cwd=HERE.parent,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+@pytest.fixture(scope="module", params=["kmirror.launch", "horovodrun"])
+def ranks(request, tmp_path_factory):
+    return job(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+@functools.cache
+def reference(scenario: str):
+    x, y = dense_data()
+    if scenario == "multi_io":
+        xs, ys, weights = multi_io_data()
+        model = multi_io_model("sgd")
+        history = model.fit(
+            xs, ys, sample_weight=weights, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
+        )
+    else:
+        model = dense_model("sgd", jit_compile=scenario == "xla")
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model, history.history
+
+
+def assert_equal_across_ranks(ranks, scenario):
+    first, second = (r[scenario] for r in ranks)
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert first["history"] == second["history"]
+
+
+class Weights:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def get_weights(self):
+        return self.weights
+
+
+@pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])
+def test_two_ranks_equal_single_device(ranks, scenario):
+    """Different initial weights per rank, SGD with momentum, an uneven final batch (3*33+2)."""
+    model, history = reference(scenario)
+    assert_equal_across_ranks(ranks, scenario)
+    for rank in ranks:
+        assert max_weight_difference(model, Weights(rank[scenario]["weights"])) < 1e-5
+        assert_same_history(history, rank[scenario]["history"])
+
+
+def test_only_rank_0_is_chief_and_the_job_has_two_replicas(ranks):
+    assert [r["numpy"]["is_chief"] for r in ranks] == [True, False]
+    assert [r["numpy"]["num_replicas"] for r in ranks] == [2, 2]
+    assert [r["numpy"]["reducer"] for r in ranks] == ["horovod", "horovod"]
+    assert [r["xla"]["replica_jit_compile"] for r in ranks] == [True, True]
+
+
+def test_evaluate_and_predict_are_global_on_every_rank(ranks):
+    model, _ = reference("numpy")
+    x, y = dense_data()
+    expected_evaluate = model.evaluate(x, y, batch_size=7, verbose=0)
+    expected_predict = model.predict(x, batch_size=10, verbose=0)
+    for rank in ranks:
+        np.testing.assert_allclose(rank["numpy"]["evaluate"], expected_evaluate, rtol=1e-5)
+        assert rank["numpy"]["predict"].shape == (101, 3)
+        np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
+
+
+@pytest.mark.parametrize("compression, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compressed_gradients_train_close_to_exact(ranks, compression, tolerance):
+    model, history = reference("numpy")
+    assert_equal_across_ranks(ranks, compression)
+    compressed = Weights(ranks[0][compression]["weights"])
+    difference = max_weight_difference(model, compressed)
+    assert 0 < difference < tolerance, "compressed gradients must be rounded, and only that much"
+    np.testing.assert_allclose(ranks[0][compression]["history"]["loss"], history["loss"], rtol=1e-2)
+
+
+def square_and_rank(value):
+    import os
+
+    return value * value, int(os.environ["HOROVOD_RANK"])
+
+
+def test_launch_run_returns_every_ranks_result():
+    assert kmirror.launch.run(square_and_rank, n=2, args=(7,), timeout=60) == [(49, 0), (49, 1)]
+
+
+SLOW_JOB = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import keras, kmirror
+from models import dense_data, dense_model
+model = kmirror.wrap(dense_model(), reducer="horovod")
+x, y = dense_data(n=20000)
+class Mark(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            open(os.path.join({folder!r}, "pid%s" % os.environ["HOROVOD_RANK"]), "w").write(
+                str(os.getpid()))
+        time.sleep(0.01)
+model.fit(x, y, batch_size=32, epochs=100, verbose=0, callbacks=[Mark()])
+"""
+
+
+@pytest.mark.parametrize("launcher", ["kmirror.launch", "horovodrun"])
+def test_a_killed_rank_stops_the_other_with_a_message(launcher, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_JOB.format(tests=str(HERE), folder=str(tmp_path)))
+    job = subprocess.Popen(
+        command(launcher, [str(script)]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pid_file = tmp_path / "pid1"
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert pid_file.exists(), "rank 1 never started training"
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        output, _ = job.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0
+    assert elapsed < 60
+    if launcher == "horovodrun":
+        # The surviving rank notices by itself and says why.
+        assert "PeerLost" in output and "another rank of the Horovod job stopped" in output
+    else:
+        assert "kmirror.launch: rank 1 exited with code 137; stopping the other ranks" in output
+
+
+def run_alone(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent)])
+    return subprocess.run(
+        [PYTHON, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_without_a_launcher_it_trains_as_one_replica_and_says_so():
+    done = run_alone(
+        "import kmirror, models, warnings\n"
+        "x, y = models.dense_data()\n"
+        "reference = models.dense_model()\n"
+        "reference.fit(x, y, batch_size=33, epochs=2, shuffle=False, verbose=0)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    model = kmirror.wrap(models.dense_model(), reducer='horovod')\n"
+        "print([str(w.message) for w in caught])\n"
+        "model.fit(x, y, batch_size=33, epochs=2, shuffle=False, verbose=0)\n"
+        "print('replicas', model.num_replicas, 'chief', model.is_chief)\n"
+        "print('difference', models.max_weight_difference(reference, model))\n"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "started without a launcher, so it trains as a single replica" in done.stdout
+    assert "replicas 1 chief True" in done.stdout
+    assert float(done.stdout.split("difference")[-1]) < 1e-6
+
+
+def test_without_horovod_installed_the_error_names_the_install():
+    done = run_alone(
+        "import sys; sys.modules['horovod'] = None\n"
+        "import kmirror, models\n"
+        "try:\n"
+        "    kmirror.wrap(models.dense_model(), reducer='horovod')\n"
+        "except ImportError as error:\n"
+        "    print('ImportError:', error)\n"
+    )
+    assert "ImportError: reducer='horovod' needs Horovod" in done.stdout, done.stderr[-2000:]
+    assert "make install" in done.stdout and "kmirror[horovod]" in done.stdout
+
+
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_launcher_refuses_zero_or_negative_processes(n):
+    done = subprocess.run(
+        [PYTHON, "-m", "kmirror.launch", "-n", n, "script.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "the number of processes must be a whole number >= 1" in done.stderr
+
+
+def test_horovod_is_not_given_devices():
+    with pytest.raises(ValueError, match="do not pass devices="):
+        kmirror.wrap(dense_model(), reducer="horovod", devices=["/cpu:0"])
