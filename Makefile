@@ -30,6 +30,8 @@ format: install
 
 bench: install
 	$(PY) benchmarks/bench_overhead.py
+	$(PY) benchmarks/bench_horovod.py
+	$(PY) benchmarks/bench_allreduce.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

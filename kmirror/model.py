@@ -252,6 +252,8 @@ class MirroredModel(keras.Model):
     def fit(self, *args, **kwargs):
         self._synchronized = False
         with self._reducer.failures():
+            # Processes of one job must shuffle alike: each takes its rows of the same batch.
+            self._reducer.agree_on_seed()
             return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):

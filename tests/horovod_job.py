@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
 
@@ -64,6 +65,17 @@ def main(out):
         model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=reducer)
         history = fit(model, x, y, epochs=EPOCHS)
         results[compression] = {"weights": model.get_weights(), "history": history}
+
+    # Shuffled epochs with a frozen model: every sample seen once per epoch, by one rank.
+    model = dense_model(seed=seed, compiled=False)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=0.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    model = kmirror.wrap(model, reducer="horovod")
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0).history
+    results["shuffled"] = {"history": history, "evaluate": model.evaluate(x, y, verbose=0)}
 
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)

@@ -102,6 +102,15 @@ def test_only_rank_0_is_chief_and_the_job_has_two_replicas(ranks):
     assert [r["xla"]["replica_jit_compile"] for r in ranks] == [True, True]
 
 
+def test_shuffled_epochs_see_every_sample_once_on_one_rank(ranks):
+    """Ranks seeded differently still shuffle alike: with a frozen model, an epoch's logged loss
+    and accuracy are those of the whole data set."""
+    for rank in ranks:
+        loss, accuracy = rank["shuffled"]["evaluate"]
+        np.testing.assert_allclose(rank["shuffled"]["history"]["loss"], [loss, loss], rtol=1e-5)
+        np.testing.assert_allclose(rank["shuffled"]["history"]["accuracy"], [accuracy] * 2)
+
+
 def test_evaluate_and_predict_are_global_on_every_rank(ranks):
     model, _ = reference("numpy")
     x, y = dense_data()

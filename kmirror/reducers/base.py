@@ -111,5 +111,9 @@ class Reducer:
     def broadcast(self, variables: list) -> None:
         """Gives every process the chief's values of `variables` (no-op within one process)."""
 
+    def agree_on_seed(self) -> None:
+        """Seeds every process's random generators alike, so that they shuffle data alike
+        (no-op within one process)."""
+
     def describe(self) -> str:
         return f"{self.name} over {self.num_replicas} replica(s)"

@@ -13,6 +13,7 @@ import contextlib
 import os
 import warnings
 
+import keras
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
@@ -177,6 +178,12 @@ class Horovod(Reducer):
                 f"the Horovod job stopped or cannot be reached ({first}). Relaunch every process; "
                 "with kmirror.callbacks.BackupAndRestore, training resumes from the last epoch."
             ) from None
+
+    def agree_on_seed(self) -> None:
+        if self._hvd.size() > 1:
+            drawn = tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64)
+            seed = int(self._hvd.broadcast(drawn, root_rank=0, name="kmirror_seed"))
+            keras.utils.set_random_seed(seed)
 
     def describe(self) -> str:
         return f"horovod rank {self.rank} of {self.num_replicas}"
