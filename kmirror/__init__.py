@@ -7,7 +7,7 @@ model.fit(x, y, batch_size=256, epochs=10)
 ```
 """
 
-from kmirror import devices, errors, launch, reducers
+from kmirror import callbacks, cluster, devices, errors, launch, reducers
 from kmirror.model import MirroredModel, wrap
 from kmirror.reducers import REDUCERS
 
@@ -20,6 +20,8 @@ __all__ = [
     "reducers",
     "devices",
     "launch",
+    "callbacks",
+    "cluster",
     "errors",
     "__version__",
 ]

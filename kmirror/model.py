@@ -10,6 +10,7 @@ usual; its train, test and predict steps are kmirror's data-parallel steps (`kmi
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any
 
@@ -102,6 +103,7 @@ class MirroredModel(keras.Model):
         self._replica_jit_compile = False
         self._user_compile: dict[str, Any] | None = None
         self._replica = _replicate(model, reducer)
+        self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
         if hasattr(self._replica, "output_names"):
             self.output_names = list(self._replica.output_names)
         self.built = True
@@ -133,6 +135,11 @@ class MirroredModel(keras.Model):
     def is_chief(self) -> bool:
         """True in the one process that writes checkpoints and summaries."""
         return self._reducer.is_chief
+
+    @property
+    def samples_seen(self) -> int:
+        """Training samples processed so far by the whole job (all replicas)."""
+        return int(self._samples_seen.numpy())
 
     # -- compiling ------------------------------------------------------------------------------
     def compile(
@@ -211,6 +218,8 @@ class MirroredModel(keras.Model):
         loss, y_pred = step.train(
             self._replica, self._reducer, data, jit_compile=self._replica_jit_compile
         )
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self._samples_seen.assign_add(tf.cast(step.batch_size(x), tf.int64))
         return self._record(data, loss, y_pred)
 
     def test_step(self, data):
@@ -254,11 +263,18 @@ class MirroredModel(keras.Model):
         with self._reducer.failures():
             # Processes of one job must shuffle alike: each takes its rows of the same batch.
             self._reducer.agree_on_seed()
-            return super().fit(*args, **kwargs)
+            return super().fit(*args, **self._chief_prints(keras.Model.fit, args, kwargs))
 
     def evaluate(self, *args, **kwargs):
         with self._reducer.failures():
-            return super().evaluate(*args, **kwargs)
+            return super().evaluate(*args, **self._chief_prints(keras.Model.evaluate, args, kwargs))
+
+    def _chief_prints(self, method, args, kwargs) -> dict:
+        """One progress bar per job: other processes are quiet unless `verbose` was given."""
+        if self.is_chief:
+            return kwargs
+        given = inspect.signature(method).bind(self, *args, **kwargs).arguments
+        return kwargs if "verbose" in given else {**kwargs, "verbose": 0}
 
     def make_train_function(self, force=False):
         # Keras calls this once per fit, after building: the moment every process takes the
@@ -276,6 +292,8 @@ class MirroredModel(keras.Model):
                 batch = next(iter(batches)) if isinstance(batches, list) else next(batches)
                 self._maybe_symbolic_build(data_batch=batch)
                 break
+        if not self.is_chief and verbose == "auto":
+            verbose = 0
         with self._reducer.failures():
             return super().predict(
                 x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks

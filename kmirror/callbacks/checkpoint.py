@@ -1,0 +1,78 @@
+"""ChiefCheckpoint: Keras' ModelCheckpoint, written once by the chief, atomically."""
+
+from __future__ import annotations
+
+import keras
+from keras.src.utils import io_utils
+
+from kmirror import cluster
+from kmirror.files import atomic_path
+
+__all__ = ["ChiefCheckpoint"]
+
+
+class ChiefCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Saves the model or its weights, from the chief process only, never as a partial file.
+
+    Keras' `ModelCheckpoint` semantics (file name templates such as `ckpt_{epoch:02d}.keras`,
+    `save_best_only`, `save_freq`, `.keras` or `.weights.h5`), for data-parallel training: the
+    monitored value is the global (all-replica) value, so every process agrees on which epoch is
+    best, but only the chief writes; other processes write nothing. Each file is written under a
+    temporary name and renamed into place, so a crash during a save leaves the previous file intact.
+    Saved files are plain Keras files: `keras.models.load_model` opens them without kmirror, and
+    `kmirror.wrap(keras.models.load_model(path))` continues training with the saved optimizer state.
+
+    Example:
+
+    ```python
+    checkpoint = kmirror.callbacks.ChiefCheckpoint("best.keras", save_best_only=True)
+    model.fit(x, y, validation_data=(xv, yv), epochs=10, callbacks=[checkpoint])
+    ```
+
+    Args:
+        filepath: where to save; may contain `{epoch}` and log names as in `ModelCheckpoint`.
+        monitor: the log to watch for `save_best_only` ("val_loss", "loss", "val_accuracy", ...).
+        mode: "auto", "min" or "max": whether smaller or larger `monitor` values are better.
+        save_best_only: save only when `monitor` improves.
+        save_weights_only: save only the weights (`filepath` must end in `.weights.h5`).
+        save_freq: "epoch", or a number of batches between saves.
+        initial_value_threshold: the value `monitor` must beat for the first save.
+        verbose: 1 prints a line when a file is written.
+    """
+
+    def __init__(
+        self,
+        filepath,
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        save_freq="epoch",
+        initial_value_threshold=None,
+        verbose: int = 0,
+    ) -> None:
+        super().__init__(
+            filepath,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=save_best_only,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+            initial_value_threshold=initial_value_threshold,
+        )
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        # Every process decides (and tracks the best value) alike; only the chief writes.
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if not cluster.is_chief(self.model):
+            return
+        with atomic_path(filepath) as partial:
+            if self.save_weights_only:
+                self.model.save_weights(partial, overwrite=True)
+            else:
+                self.model.save(partial, overwrite=True)
+        if self.verbose > 0:
+            io_utils.print_msg(f"\nEpoch {epoch + 1}: saved the model to {filepath}")

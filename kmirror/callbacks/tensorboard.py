@@ -1,0 +1,99 @@
+"""ChiefTensorBoard: Keras' TensorBoard callback, written by the chief alone, plus kmirror's scalars."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import keras
+
+from kmirror import cluster
+
+__all__ = ["ChiefTensorBoard"]
+
+
+def _chief_only(hook):
+    @functools.wraps(hook)
+    def guarded(self, *args, **kwargs):
+        if self._chief:
+            return hook(self, *args, **kwargs)
+
+    return guarded
+
+
+class ChiefTensorBoard(keras.callbacks.TensorBoard):
+    """Writes TensorBoard event files from the chief process only.
+
+    Everything Keras' `TensorBoard` writes (epoch and batch scalars, which are global values under
+    kmirror, histograms, the graph), and kmirror's own scalars per epoch: `epoch_samples_per_second`,
+    `epoch_step_time` (seconds per step) and `epoch_replicas`, plus the reducer's name as text
+    (`reducer`). Other processes write nothing.
+
+    Example:
+
+    ```python
+    board = kmirror.callbacks.ChiefTensorBoard("logs/run1")
+    model.fit(x, y, epochs=5, callbacks=[board])
+    # tensorboard --logdir logs
+    ```
+
+    Args:
+        log_dir: the folder for the event files.
+        **kwargs: every other argument of `keras.callbacks.TensorBoard` (`histogram_freq`,
+            `update_freq`, `write_graph`, ...).
+    """
+
+    def __init__(self, log_dir="logs", **kwargs) -> None:
+        super().__init__(log_dir=log_dir, **kwargs)
+        self._chief = True
+
+    def set_model(self, model):
+        self._chief = cluster.is_chief(model)
+        if self._chief:
+            super().set_model(model)
+        else:
+            self._model = model
+
+    on_train_begin = _chief_only(keras.callbacks.TensorBoard.on_train_begin)
+    on_train_end = _chief_only(keras.callbacks.TensorBoard.on_train_end)
+    on_test_begin = _chief_only(keras.callbacks.TensorBoard.on_test_begin)
+    on_test_end = _chief_only(keras.callbacks.TensorBoard.on_test_end)
+    on_train_batch_begin = _chief_only(keras.callbacks.TensorBoard.on_train_batch_begin)
+    on_train_batch_end = _chief_only(keras.callbacks.TensorBoard.on_train_batch_end)
+    on_test_batch_begin = _chief_only(keras.callbacks.TensorBoard.on_test_batch_begin)
+    on_epoch_end = _chief_only(keras.callbacks.TensorBoard.on_epoch_end)
+
+    @_chief_only
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self._kmirror_start = (time.perf_counter(), _iterations(self.model), _samples(self.model))
+        if epoch == self._kmirror_first_epoch():
+            reducer = getattr(self.model, "reducer", "none (not a kmirror model)")
+            with self._train_writer.as_default():
+                self.summary.text("reducer", str(reducer), step=epoch)
+
+    def _kmirror_first_epoch(self) -> int:
+        return int(getattr(self.model, "_initial_epoch", None) or 0)
+
+    def _log_epoch_metrics(self, epoch, logs):
+        super()._log_epoch_metrics(epoch, logs)
+        start_time, start_steps, start_samples = self._kmirror_start
+        seconds = time.perf_counter() - start_time
+        steps = _iterations(self.model) - start_steps
+        scalars = {"replicas": getattr(self.model, "num_replicas", 1)}
+        if steps > 0:
+            scalars["step_time"] = seconds / steps
+        samples = _samples(self.model)
+        if samples is not None and seconds > 0:
+            scalars["samples_per_second"] = (samples - start_samples) / seconds
+        with self._train_writer.as_default():
+            for name, value in scalars.items():
+                self.summary.scalar(f"epoch_{name}", value, step=epoch)
+
+
+def _iterations(model) -> int:
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
+def _samples(model):
+    return getattr(model, "samples_seen", None)

@@ -1,0 +1,220 @@
+"""Chief-only, atomic checkpoints and summaries, and resuming after a crash, in one process
+(2 simulated devices) and under Horovod (2 ranks)."""
+
+import functools
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from models import BATCH, dense_data, dense_model
+
+import kmirror
+
+HERE = Path(__file__).parent
+JOB = str(HERE / "callbacks_job.py")
+TIMEOUT = 300
+MODES = ["one_device", "horovod"]
+
+
+def run_job(mode: str, out: Path, reducer: str, env=None) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    if reducer == "horovod":
+        command = [sys.executable, "-m", "kmirror.launch", "-n", "2", "--timeout", str(TIMEOUT)]
+    else:
+        command = [sys.executable]
+    return subprocess.run(
+        [*command, JOB, mode, str(out), reducer],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT + 30,
+        env={**os.environ, **(env or {})},
+        cwd=HERE.parent,
+    )
+
+
+def results(out: Path, mode: str, reducer: str) -> list[dict]:
+    ranks = 2 if reducer == "horovod" else 1
+    return [pickle.loads((out / f"{mode}-rank{r}.pkl").read_bytes()) for r in range(ranks)]
+
+
+@functools.cache
+def callbacks_job(reducer: str, folder: str):
+    done = run_job("callbacks", Path(folder), reducer)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return Path(folder), results(Path(folder), "callbacks", reducer)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def job(request, tmp_path_factory):
+    return (request.param, *callbacks_job(request.param, str(tmp_path_factory.mktemp("cb"))))
+
+
+@functools.cache
+def single_device_history():
+    """The same training on one device, with Keras' own ModelCheckpoint picking the best epoch."""
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    model = dense_model("sgd")
+    return model.fit(
+        x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, validation_data=(xv, yv)
+    ).history
+
+
+def test_checkpoints_are_written_once_by_the_chief(job):
+    reducer, out, _ = job
+    expected = {f"ckpt_0{e}.keras" for e in range(1, 5)} | {"best.keras", "last.weights.h5"}
+    assert {p.name for p in (out / "checkpoints0").iterdir()} == expected
+    assert not (out / "checkpoints1").exists(), "a non-chief rank wrote checkpoints"
+
+
+def test_best_checkpoint_is_the_single_device_best_and_reproduces_its_metrics(job):
+    _, out, ranks = job
+    reference = single_device_history()
+    history = ranks[0]["history"]
+    assert int(np.argmin(history["val_loss"])) == int(np.argmin(reference["val_loss"]))
+    best = keras.models.load_model(out / "checkpoints0" / "best.keras")
+    xv, yv = dense_data(n=40, seed=5)
+    loss, accuracy = best.evaluate(xv, yv, verbose=0)
+    best_epoch = int(np.argmin(history["val_loss"]))
+    assert loss == pytest.approx(min(reference["val_loss"]), rel=1e-5)
+    assert accuracy == pytest.approx(history["val_accuracy"][best_epoch])
+
+
+def test_checkpoint_continues_with_its_optimizer_state(job):
+    _, out, ranks = job
+    last = keras.models.load_model(out / "checkpoints0" / "ckpt_04.keras")
+    for a, b in zip(last.get_weights(), ranks[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    wrapped = kmirror.wrap(last, devices=["/cpu:0", "/cpu:1"])
+    assert int(wrapped.optimizer.iterations.numpy()) == 4 * 4
+    plain = dense_model("sgd")
+    plain.load_weights(out / "checkpoints0" / "last.weights.h5")
+    for a, b in zip(plain.get_weights(), ranks[0]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def scalars(folder: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    events.Reload()
+    return {
+        tag: [tf.make_ndarray(e.tensor_proto) for e in events.Tensors(tag)]
+        for tag in events.Tags()["tensors"]
+    }
+
+
+def test_tensorboard_is_written_by_the_chief_with_kmirrors_scalars(job):
+    reducer, out, ranks = job
+    assert not (out / "tensorboard1").exists(), "a non-chief rank wrote event files"
+    train = scalars(out / "tensorboard0" / "train")
+    history = ranks[0]["history"]
+    np.testing.assert_allclose([float(v) for v in train["epoch_loss"]], history["loss"], rtol=1e-6)
+    assert [float(v) for v in train["epoch_replicas"]] == [2.0] * 4
+    speeds = [float(v) for v in train["epoch_samples_per_second"]]
+    assert len(speeds) == 4 and all(10 < s < 1e7 for s in speeds)
+    assert all(0 < float(v) < 10 for v in train["epoch_step_time"])
+    assert train["reducer"][0].flatten()[0].decode() == reducer
+    assert ranks[0]["samples_seen"] == 4 * 101
+    validation = scalars(out / "tensorboard0" / "validation")
+    np.testing.assert_allclose(
+        [float(v) for v in validation["epoch_loss"]], history["val_loss"], rtol=1e-6
+    )
+
+
+def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
+    _, _, ranks = job
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    reference = dense_model("sgd").fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=30,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xv, yv),
+        callbacks=[keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)],
+    )
+    epochs = [r["early_stopped_epochs"] for r in ranks]
+    assert 1 < epochs[0] < 30
+    assert epochs == [len(reference.history["loss"])] * len(ranks)
+
+
+@pytest.mark.parametrize("reducer", MODES)
+def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tmp_path):
+    whole = tmp_path / "uninterrupted"
+    done = run_job("backup", whole, reducer)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (whole / "backup").exists(), "the backup is removed after a normal end"
+
+    crashing = tmp_path / "crashing"
+    crash = {"KMIRROR_TEST_CRASH": "1" if reducer == "horovod" else "0"}
+    first = run_job("backup", crashing, reducer, env=crash)
+    assert first.returncode != 0 and (crashing / "crashed").exists()
+    assert (crashing / "backup" / "backup.json").exists()
+    second = run_job("backup", crashing, reducer, env=crash)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+
+    for expected, resumed in zip(
+        results(whole, "backup", reducer), results(crashing, "backup", reducer)
+    ):
+        assert len(resumed["history"]["loss"]) == 2, "the relaunch resumes at epoch 4 of 5"
+        np.testing.assert_allclose(
+            resumed["history"]["loss"], expected["history"]["loss"][3:], rtol=1e-6
+        )
+        for a, b in zip(resumed["weights"], expected["weights"]):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        for a, b in zip(resumed["optimizer"], expected["optimizer"]):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """The process is killed while writing the second checkpoint's bytes."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import kmirror
+        kmirror.devices.simulate(2)
+        import keras.src.saving.saving_lib as saving_lib
+        from models import dense_data, dense_model
+        save = saving_lib.save_model
+        calls = []
+        def save_then_die(model, filepath, *args, **kwargs):
+            calls.append(filepath)
+            if len(calls) == 2:
+                with open(filepath, "wb") as f:
+                    f.write(b"PK-half-written")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save(model, filepath, *args, **kwargs)
+        saving_lib.save_model = save_then_die
+        model = kmirror.wrap(dense_model(), reducer="one_device")
+        x, y = dense_data()
+        checkpoint = kmirror.callbacks.ChiefCheckpoint({str(tmp_path / "model.keras")!r})
+        model.fit(x, y, batch_size=33, epochs=3, verbose=0, callbacks=[checkpoint])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert int(loaded.optimizer.iterations) == 4, "the first epoch's checkpoint, whole"
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "model.keras"]
+    assert all(name.startswith(".model.partial-") for name in leftovers)
+
+
+def test_checkpoint_into_a_folder_that_cannot_be_written(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    x, y = dense_data()
+    model = kmirror.wrap(dense_model(), devices=["/cpu:0", "/cpu:1"])
+    checkpoint = kmirror.callbacks.ChiefCheckpoint(str(blocked / "model.keras"))
+    with pytest.raises(OSError):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[checkpoint])
