@@ -3,7 +3,7 @@
 | callback | what |
 |---|---|
 | `ChiefCheckpoint` | Keras' ModelCheckpoint, chief-only and atomic |
-| `ChiefTensorBoard` | Keras' TensorBoard, chief-only, plus samples/s, step time, replicas, reducer |
+| `ChiefTensorBoard` | Keras' TensorBoard, chief-only, plus samples/s, step time, replicas |
 | `BackupAndRestore` | resume after a crash from the last completed epoch |
 
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every

@@ -1,4 +1,4 @@
-"""ChiefTensorBoard: Keras' TensorBoard callback, written by the chief alone, plus kmirror's scalars."""
+"""ChiefTensorBoard: Keras' TensorBoard callback, written by the chief alone, with more scalars."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def _chief_only(hook):
 class ChiefTensorBoard(keras.callbacks.TensorBoard):
     """Writes TensorBoard event files from the chief process only.
 
-    Everything Keras' `TensorBoard` writes (epoch and batch scalars, which are global values under
-    kmirror, histograms, the graph), and kmirror's own scalars per epoch: `epoch_samples_per_second`,
+    Everything Keras' `TensorBoard` writes (epoch and batch scalars, which are global values
+    under kmirror, histograms, the graph), and kmirror's own per epoch: `epoch_samples_per_second`,
     `epoch_step_time` (seconds per step) and `epoch_replicas`, plus the reducer's name as text
     (`reducer`). Other processes write nothing.
 
