@@ -1,0 +1,65 @@
+"""Every example runs as written (with small sizes), the way the docs tell users to run it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+PYTHON = sys.executable
+
+
+def run(*args: str, timeout: int = 300) -> str:
+    done = subprocess.run(
+        [PYTHON, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_demo_prints_a_row_per_reducer_beside_single_device():
+    out = run("examples/demo.py", "--epochs", "2")
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == ["single device", "one_device", "hierarchical_copy", "auto -> one_device"]
+    for row in rows[1:]:
+        assert float(row.split("|")[-2]) < 1e-4, row  # max weight difference to single device
+
+
+def test_horovod_example_under_the_launcher():
+    out = run(
+        "-m",
+        "kmirror.launch",
+        "-n",
+        "2",
+        "--timeout",
+        "240",
+        "examples/horovod_digits.py",
+        "--epochs",
+        "1",
+    )
+    checksums = {line.split("checksum")[-1] for line in out.splitlines() if "checksum" in line}
+    assert len(checksums) == 1 and "rank 0 of 2" in out and "rank 1 of 2" in out
+
+
+def test_checkpoint_example_crashes_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    crashed = subprocess.run(
+        [
+            PYTHON,
+            "examples/checkpoint_resume.py",
+            "--out",
+            str(out),
+            "--epochs",
+            "4",
+            "--crash-at-epoch",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert crashed.returncode == -9 and "simulating a crash in epoch 3" in crashed.stdout
+    resumed = run("examples/checkpoint_resume.py", "--out", str(out), "--epochs", "4")
+    assert "trained epochs 3..4 of 4" in resumed
+    assert (out / "best.keras").exists() and not (out / "backup").exists()
