@@ -7,11 +7,21 @@ model.fit(x, y, batch_size=256, epochs=10)
 ```
 """
 
-from kmirror import callbacks, cluster, devices, errors, launch, reducers
+from kmirror import callbacks, cluster, devices, errors, reducers
 from kmirror.model import MirroredModel, wrap
 from kmirror.reducers import REDUCERS
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Imported on first use, so that `python -m kmirror.launch` runs a module not yet imported.
+    if name == "launch":
+        import importlib
+
+        return importlib.import_module("kmirror.launch")
+    raise AttributeError(f"module 'kmirror' has no attribute {name!r}")
+
 
 __all__ = [
     "wrap",

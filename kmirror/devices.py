@@ -33,8 +33,9 @@ def simulate(n: int) -> list[str]:
         raise ValueError(f"devices.simulate(n) needs a whole number n >= 1; got {n!r}.")
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
+    names = [f"/device:CPU:{i}" for i in range(n)]  # not listed: that would start TensorFlow
     if current is not None and len(current) == n:
-        return _names("CPU")
+        return names
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
@@ -46,7 +47,7 @@ def simulate(n: int) -> list[str]:
             f"(it has {have} CPU device(s) now). Call kmirror.devices.simulate({n}) first, at the "
             "top of the script or notebook, before building any model or tensor."
         ) from error
-    return _names("CPU")
+    return names
 
 
 def gpu_count() -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PeerLost"]
+__all__ = ["PeerLost", "reason"]
 
 
 class PeerLost(RuntimeError):
@@ -11,3 +11,13 @@ class PeerLost(RuntimeError):
     Relaunch every process; with `kmirror.callbacks.BackupAndRestore` training resumes from the
     last completed epoch.
     """
+
+
+_TELLING = ("connection", "collective", "timed out", "unavailable", "reset", "closed", "shut down")
+
+
+def reason(error: BaseException) -> str:
+    """The line of a low-level (TensorFlow, gRPC, Gloo) error message that says what happened."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [line for line in lines if any(word in line.lower() for word in _TELLING)]
+    return (telling or lines or [type(error).__name__])[0][:300]

@@ -1,9 +1,12 @@
 """Starting N local processes: for the horovod reducer, for users, notebooks and tests.
 
     python -m kmirror.launch -n 2 train.py --epochs 3      # or: kmirror-launch -n 2 train.py ...
+    python -m kmirror.launch --workers 2 train.py          # multi-worker: TF_CONFIG, reducer="ring"
 
-starts `train.py` twice with what Horovod needs to form a job (a rendezvous server on loopback,
-ranks and sizes in the environment), streams every line of their output prefixed with its rank,
+starts `train.py` twice with what the processes need to form a job: for Horovod a rendezvous
+server on loopback and ranks in the environment; for multi-worker training (`--workers N`, or
+`--mode ring`) a `TF_CONFIG` per worker naming free loopback ports. It streams every line of their
+output prefixed with its rank,
 stops the others as soon as one fails, and exits with the worst exit code. `run(fn, n=2)` does the
 same for a Python function and returns each rank's result. Every launch can be bounded by a
 timeout, after which all processes are killed.
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +32,7 @@ from typing import Any, TextIO
 
 __all__ = ["launch", "run", "main"]
 
-MODES = ("horovod",)
+MODES = ("horovod", "ring")
 #: Seconds the other processes get to exit after one failed, before they are killed.
 GRACE_SECONDS = 10.0
 
@@ -52,7 +57,8 @@ def launch(
     Args:
         command: the program and its arguments, e.g. `[sys.executable, "train.py"]`.
         n: how many processes (ranks).
-        mode: "horovod" (a Horovod job over Gloo on loopback).
+        mode: "horovod" (a Horovod job over Gloo on loopback) or "ring" (TensorFlow workers,
+            each with a `TF_CONFIG`; the script calls `kmirror.cluster.connect()`).
         timeout: seconds after which every process is killed (None: no limit).
         env: extra environment variables for every process.
         output: where the prefixed output goes (default: standard output).
@@ -99,11 +105,14 @@ def run(
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    simulate: int | None = None,
 ) -> list[Any]:
     """Calls `fn(*args, **kwargs)` in `n` processes that form one job; returns each rank's result.
 
     For notebooks and tests. `fn` and its results travel by cloudpickle; `fn` runs in a fresh
-    process, so it must import what it uses (and call `kmirror.devices.simulate` itself if needed).
+    process, so it must import what it uses. In "ring" mode the process has already joined its
+    cluster (`kmirror.cluster.connect()`) when `fn` starts; pass `simulate=n` to give each process
+    n simulated CPU devices first.
 
     Example:
 
@@ -125,7 +134,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="kmirror-run-") as folder:
         call = Path(folder, "call.pkl")
         call.write_bytes(cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
-        command = [sys.executable, "-m", "kmirror.launch", "--call", str(call)]
+        command = [sys.executable, "-m", "kmirror.launch", "--call", str(call), "--mode", mode]
+        if simulate:
+            command += ["--simulate", str(simulate)]
         code = launch(command, n, mode=mode, timeout=timeout, env=env)
         if code != 0:
             reason = "timed out" if code == 124 else f"failed with exit code {code}"
@@ -142,21 +153,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Start N local processes that train together (one per device).",
     )
     parser.add_argument("-n", "--np", dest="n", type=int, help="how many processes")
-    parser.add_argument("--mode", choices=MODES, default="horovod")
+    parser.add_argument("--workers", type=int, help="how many multi-worker processes (--mode ring)")
+    parser.add_argument("--mode", choices=MODES, default=None, help="default: horovod")
     parser.add_argument("--timeout", type=float, default=None, help="seconds; then kill all")
     parser.add_argument("--call", help=argparse.SUPPRESS)
+    parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
     parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args...]")
     options = parser.parse_args(argv)
     if options.call:
-        return _call(Path(options.call))
+        return _call(Path(options.call), options.mode, options.simulate)
+    if options.workers is not None:
+        if options.n is not None or options.mode == "horovod":
+            parser.error(
+                "--workers N starts multi-worker processes; do not combine it with -n / "
+                "--mode horovod"
+            )
+        options.n, options.mode = options.workers, "ring"
     if options.n is None:
-        parser.error("give the number of processes with -n N")
+        parser.error("give the number of processes with -n N (or --workers N)")
     if not options.program:
         parser.error("give the script to run, e.g. python -m kmirror.launch -n 2 train.py")
     program = list(options.program)
     command = [sys.executable, *program] if program[0].endswith(".py") else program
     try:
-        return launch(command, options.n, mode=options.mode, timeout=options.timeout)
+        return launch(command, options.n, mode=options.mode or "horovod", timeout=options.timeout)
     except ValueError as error:
         parser.error(str(error))
 
@@ -171,8 +191,33 @@ def _check(n: int, mode: str) -> None:
 
 @contextlib.contextmanager
 def _job_environment(n: int, mode: str) -> Iterator[list[dict[str, str]]]:
+    if mode == "ring":
+        yield _tf_config_environment(n)
+        return
     with _horovod_environment(n) as envs:
         yield envs
+
+
+def _tf_config_environment(n: int) -> list[dict[str, str]]:
+    """A TF_CONFIG per worker, naming a free loopback port for each."""
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(n)]
+    return [
+        {
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+            )
+        }
+        for index in range(n)
+    ]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 right now (held open together, so all differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @contextlib.contextmanager
@@ -263,12 +308,23 @@ def _say(output: TextIO, lock: threading.Lock, message: str) -> None:
 
 # -- the child side of run() --------------------------------------------------------------------
 def _rank() -> int:
-    return int(os.environ.get("HOROVOD_RANK", "0"))
+    if "HOROVOD_RANK" in os.environ:
+        return int(os.environ["HOROVOD_RANK"])
+    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task") or {}
+    return int(task.get("index", 0))
 
 
-def _call(call: Path) -> int:
+def _call(call: Path, mode: str | None, simulate: int | None) -> int:
     import cloudpickle
 
+    if simulate:
+        from kmirror import devices
+
+        devices.simulate(simulate)
+    if mode == "ring":
+        from kmirror import cluster
+
+        cluster.connect()
     fn, args, kwargs = pickle.loads(call.read_bytes())
     result = fn(*args, **kwargs)
     call.with_name(f"result-{_rank()}.pkl").write_bytes(cloudpickle.dumps(result))

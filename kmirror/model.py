@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import reducers, step
+from kmirror import cluster, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -30,6 +30,9 @@ def wrap(
     *,
     devices: list[str] | None = None,
     num_gpus: int | None = None,
+    cluster_spec=None,
+    task_type: str | None = None,
+    task_id: int | None = None,
     **reducer_options: Any,
 ) -> MirroredModel:
     """Wraps a Keras model for synchronous data-parallel training on every local device.
@@ -57,6 +60,9 @@ def wrap(
             `kmirror.reducers.Reducer` object, or a `tf.distribute.CrossDeviceOps`.
         devices: the devices to replicate on (default: every GPU, else every logical CPU).
         num_gpus: use the first `num_gpus` GPUs instead of naming devices (0: the CPUs).
+        cluster_spec: the workers of a multi-worker job (a dict, `tf.train.ClusterSpec` or
+            `ClusterDef`); default: `TF_CONFIG`'s. Call `kmirror.cluster.connect()` first.
+        task_type, task_id: this process's place in `cluster_spec` ("worker" or "chief", index).
         **reducer_options: options of the named reducer, e.g. `num_packs=2` for `"nccl"`.
 
     Returns:
@@ -73,7 +79,23 @@ def wrap(
             "(keras.Sequential, the functional API, or a keras.Model subclass) and pass that."
         )
     _check_step_is_standard(model)
-    chosen = reducers.get(reducer, devices=devices, num_gpus=num_gpus, **reducer_options)
+    workers = cluster.describe(cluster_spec, task_type, task_id)
+    if workers is not None:
+        if devices is not None:
+            raise ValueError(
+                "devices cannot be given together with cluster_spec / TF_CONFIG: every worker "
+                "replicates on all its local GPUs, else on its CPU devices, as TensorFlow's "
+                "MultiWorkerMirroredStrategy does."
+            )
+        if cluster_spec is not None:
+            cluster.connect(cluster_spec, task_type, task_id)
+    chosen = reducers.get(
+        reducer,
+        devices=devices,
+        num_gpus=num_gpus,
+        multi_worker=workers is not None,
+        **reducer_options,
+    )
     chosen.bind(devices=devices, num_gpus=num_gpus)
     return MirroredModel(model, chosen)
 

@@ -2,6 +2,7 @@
 
     python callbacks_job.py MODE OUT REDUCER           (REDUCER one_device: 2 simulated devices)
     python -m kmirror.launch -n 2 callbacks_job.py MODE OUT horovod
+    python -m kmirror.launch --workers 2 callbacks_job.py MODE OUT ring
 
 MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, and an early-stopped run.
 MODE "backup": 5 epochs with BackupAndRestore(OUT/backup); with KMIRROR_TEST_CRASH=<rank> that
@@ -21,13 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kmirror  # noqa: E402
 
 mode, out, reducer = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-if reducer != "horovod":
+if reducer == "ring":
+    kmirror.cluster.connect()
+elif reducer != "horovod":
     kmirror.devices.simulate(2)
 
 import keras  # noqa: E402
 from models import BATCH, dense_data, dense_model  # noqa: E402
 
-rank = int(os.environ.get("HOROVOD_RANK", "0"))
+rank = kmirror.launch._rank()
 x, y = dense_data()
 xv, yv = dense_data(n=40, seed=5)
 

@@ -1,5 +1,5 @@
 """Chief-only, atomic checkpoints and summaries, and resuming after a crash, in one process
-(2 simulated devices) and under Horovod (2 ranks)."""
+(2 simulated devices), under Horovod (2 ranks) and with 2 multi-worker workers."""
 
 import functools
 import os
@@ -20,13 +20,14 @@ import kmirror
 HERE = Path(__file__).parent
 JOB = str(HERE / "callbacks_job.py")
 TIMEOUT = 300
-MODES = ["one_device", "horovod"]
+MODES = ["one_device", "horovod", "ring"]
 
 
 def run_job(mode: str, out: Path, reducer: str, env=None) -> subprocess.CompletedProcess:
     out.mkdir(parents=True, exist_ok=True)
-    if reducer == "horovod":
-        command = [sys.executable, "-m", "kmirror.launch", "-n", "2", "--timeout", str(TIMEOUT)]
+    if reducer in ("horovod", "ring"):
+        processes = ["-n", "2"] if reducer == "horovod" else ["--workers", "2"]
+        command = [sys.executable, "-m", "kmirror.launch", *processes, "--timeout", str(TIMEOUT)]
     else:
         command = [sys.executable]
     return subprocess.run(
@@ -40,7 +41,7 @@ def run_job(mode: str, out: Path, reducer: str, env=None) -> subprocess.Complete
 
 
 def results(out: Path, mode: str, reducer: str) -> list[dict]:
-    ranks = 2 if reducer == "horovod" else 1
+    ranks = 1 if reducer == "one_device" else 2
     return [pickle.loads((out / f"{mode}-rank{r}.pkl").read_bytes()) for r in range(ranks)]
 
 
@@ -156,7 +157,7 @@ def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tm
     assert not (whole / "backup").exists(), "the backup is removed after a normal end"
 
     crashing = tmp_path / "crashing"
-    crash = {"KMIRROR_TEST_CRASH": "1" if reducer == "horovod" else "0"}
+    crash = {"KMIRROR_TEST_CRASH": "0" if reducer == "one_device" else "1"}
     first = run_job("backup", crashing, reducer, env=crash)
     assert first.returncode != 0 and (crashing / "crashed").exists()
     assert (crashing / "backup" / "backup.json").exists()

@@ -12,22 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from models import (
-    BATCH,
-    assert_same_history,
-    dense_data,
-    dense_model,
-    max_weight_difference,
-    multi_io_data,
-    multi_io_model,
-)
+from models import assert_same_history, dense_data, dense_model, max_weight_difference
+from multi_process import Weights, assert_equal_across_ranks, reference
 
 import kmirror
 
 HERE = Path(__file__).parent
 PYTHON = sys.executable
 HOROVODRUN = str(Path(PYTHON).with_name("horovodrun"))
-EPOCHS = 3  # as in horovod_job.py
 JOB_TIMEOUT = 300
 
 
@@ -40,7 +32,7 @@ def command(launcher: str, script: list[str], n: int = 2) -> list[str]:
 @functools.cache
 def job(launcher: str, folder: str) -> list[dict]:
     done = subprocess.run(
-        command(launcher, [str(HERE / "horovod_job.py"), folder]),
+        command(launcher, [str(HERE / "multi_process_job.py"), folder]),
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT + 30,
@@ -53,36 +45,6 @@ def job(launcher: str, folder: str) -> list[dict]:
 @pytest.fixture(scope="module", params=["kmirror.launch", "horovodrun"])
 def ranks(request, tmp_path_factory):
     return job(request.param, str(tmp_path_factory.mktemp(request.param)))
-
-
-@functools.cache
-def reference(scenario: str):
-    x, y = dense_data()
-    if scenario == "multi_io":
-        xs, ys, weights = multi_io_data()
-        model = multi_io_model("sgd")
-        history = model.fit(
-            xs, ys, sample_weight=weights, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0
-        )
-    else:
-        model = dense_model("sgd", jit_compile=scenario == "xla")
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    return model, history.history
-
-
-def assert_equal_across_ranks(ranks, scenario):
-    first, second = (r[scenario] for r in ranks)
-    for a, b in zip(first["weights"], second["weights"]):
-        np.testing.assert_array_equal(a, b)
-    assert first["history"] == second["history"]
-
-
-class Weights:
-    def __init__(self, weights):
-        self.weights = weights
-
-    def get_weights(self):
-        return self.weights
 
 
 @pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])

@@ -7,7 +7,7 @@
 | `"one_device"` | copy to one device, sum, copy back | any devices, one process |
 | `"horovod"` | Horovod's ring all-reduce | one process per device |
 | `"ring"` | TensorFlow's collective ring | several workers |
-| `"auto"` | what TensorFlow would pick: NCCL on 2+ GPUs, else `one_device` | |
+| `"auto"` | see `auto()`: Horovod, collective, NCCL or `one_device` by where it runs | |
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import tensorflow as tf
 from kmirror import devices as devices_lib
 from kmirror.reducers import compression
 from kmirror.reducers.base import Reducer
+from kmirror.reducers.collective import Collective
 from kmirror.reducers.horovod import Horovod
 from kmirror.reducers.in_process import (
     CrossDeviceOps,
@@ -38,6 +39,7 @@ __all__ = [
     "OneDevice",
     "CrossDeviceOps",
     "Horovod",
+    "Collective",
     "compression",
     "get",
 ]
@@ -48,12 +50,13 @@ REDUCERS = ("auto", "nccl", "hierarchical_copy", "one_device", "horovod", "ring"
 _BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice, Horovod)}
 
 
-def get(reducer, devices=None, num_gpus=None, **options) -> Reducer:
+def get(reducer, devices=None, num_gpus=None, multi_worker: bool = False, **options) -> Reducer:
     """Turns the `reducer` argument (a name, a Reducer or a CrossDeviceOps) into a Reducer.
 
     Args:
         reducer: a name from `REDUCERS`, a `Reducer` object, or a `tf.distribute.CrossDeviceOps`.
         devices, num_gpus: the devices asked for (they decide what `"auto"` picks).
+        multi_worker: the process is one worker of a cluster (`cluster_spec` or `TF_CONFIG`).
         **options: options of the named reducer, such as `num_packs`.
     """
     if isinstance(reducer, Reducer):
@@ -77,14 +80,26 @@ def get(reducer, devices=None, num_gpus=None, **options) -> Reducer:
         raise ValueError(
             f"unknown reducer '{reducer}'.{hint} Valid reducers: {', '.join(REDUCERS)}."
         )
+    if multi_worker:
+        if reducer not in ("ring", "nccl", "auto"):
+            raise ValueError(
+                f"reducer '{reducer}' does not run across workers; with cluster_spec or TF_CONFIG "
+                "use reducer='ring', 'nccl' (GPUs) or 'auto'."
+            )
+        return _checked(Collective, options, reducer, communication=reducer)
+    if reducer == "ring":
+        raise ValueError(
+            "reducer 'ring' runs across workers and needs a cluster: set TF_CONFIG (python -m "
+            "kmirror.launch --workers 2 script.py does) or pass cluster_spec, task_type and "
+            "task_id, and call kmirror.cluster.connect() first. In one process use "
+            "'hierarchical_copy', 'one_device' or 'nccl'."
+        )
     if reducer == "auto":
         reducer = auto(devices, num_gpus)
-    if reducer == "ring":
-        raise NotImplementedError(
-            f"reducer '{reducer}' is not available in this version of kmirror yet. "
-            "Use reducer='horovod', 'hierarchical_copy', 'one_device' or 'nccl'."
-        )
-    cls = _BY_NAME[reducer]
+    return _checked(_BY_NAME[reducer], options, reducer)
+
+
+def _checked(cls, options: dict, reducer: str, **fixed) -> Reducer:
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         accepted = ", ".join(cls.options) or "no options"
@@ -92,7 +107,7 @@ def get(reducer, devices=None, num_gpus=None, **options) -> Reducer:
             f"reducer '{reducer}' does not take the option(s) {', '.join(unknown)}; "
             f"it accepts: {accepted}."
         )
-    return cls(**options)
+    return cls(**fixed, **options)
 
 
 def _closest(name: str) -> str | None:

@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
-from kmirror.errors import PeerLost
+from kmirror.errors import PeerLost, reason
 from kmirror.reducers import compression as compression_lib
 from kmirror.reducers.base import Reducer
 
@@ -172,7 +172,7 @@ class Horovod(Reducer):
         except tf.errors.OpError as error:
             if self._hvd.size() == 1 or "horovod" not in str(error).lower():
                 raise
-            first = str(error).strip().splitlines()[0]
+            first = reason(error)
             raise PeerLost(
                 f"kmirror: rank {self.rank} of {self.num_replicas} stops because another rank of "
                 f"the Horovod job stopped or cannot be reached ({first}). Relaunch every process; "

@@ -1,7 +1,8 @@
-"""A Horovod job for the tests: `python -m kmirror.launch -n 2 horovod_job.py OUT` (or horovodrun).
+"""A multi-process job for the tests: each rank starts from its own random weights (seeded by its
+rank), trains several models and writes what it ended with to OUT/rank<r>.pkl.
 
-Each rank starts from its own random weights (seeded by its rank), trains several models with the
-horovod reducer and writes what it ended with to OUT/rank<r>.pkl.
+    python -m kmirror.launch -n 2 multi_process_job.py OUT                  (or horovodrun)
+    python -m kmirror.launch --workers 2 multi_process_job.py OUT ring [DEVICES_PER_WORKER]
 """
 
 import os
@@ -11,11 +12,17 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import kmirror  # noqa: E402
+
+REDUCER = sys.argv[2] if len(sys.argv) > 2 else "horovod"
+if REDUCER == "ring":
+    if len(sys.argv) > 3:
+        kmirror.devices.simulate(int(sys.argv[3]))
+    kmirror.cluster.connect()
+
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
-
-import kmirror  # noqa: E402
 
 EPOCHS = 3
 
@@ -25,12 +32,12 @@ def fit(model, *args, **kwargs):
 
 
 def main(out):
-    rank = int(os.environ["HOROVOD_RANK"])
+    rank = kmirror.launch._rank()
     seed = 1 + 10 * rank  # different initial weights on every rank
     x, y = dense_data()
     results = {}
 
-    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer="horovod")
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
     history = fit(model, x, y, epochs=EPOCHS)
     results["numpy"] = {
         "weights": model.get_weights(),
@@ -47,7 +54,7 @@ def main(out):
     history = model.fit(data, epochs=EPOCHS, verbose=0).history
     results["tf.data"] = {"weights": model.get_weights(), "history": history}
 
-    model = kmirror.wrap(dense_model("sgd", seed=seed, jit_compile=True), reducer="horovod")
+    model = kmirror.wrap(dense_model("sgd", seed=seed, jit_compile=True), reducer=REDUCER)
     history = fit(model, x, y, epochs=EPOCHS)
     results["xla"] = {
         "weights": model.get_weights(),
@@ -56,11 +63,11 @@ def main(out):
     }
 
     xs, ys, weights = multi_io_data()
-    model = kmirror.wrap(multi_io_model("sgd", seed=seed), reducer="horovod")
+    model = kmirror.wrap(multi_io_model("sgd", seed=seed), reducer=REDUCER)
     history = fit(model, xs, ys, sample_weight=weights, epochs=EPOCHS)
     results["multi_io"] = {"weights": model.get_weights(), "history": history}
 
-    for compression in ("fp16", "bf16"):
+    for compression in ("fp16", "bf16") if REDUCER == "horovod" else ():
         reducer = kmirror.reducers.Horovod(compression=compression, sparse_as_dense=True)
         model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=reducer)
         history = fit(model, x, y, epochs=EPOCHS)
@@ -73,7 +80,7 @@ def main(out):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-    model = kmirror.wrap(model, reducer="horovod")
+    model = kmirror.wrap(model, reducer=REDUCER)
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0).history
     results["shuffled"] = {"history": history, "evaluate": model.evaluate(x, y, verbose=0)}
 

@@ -1,0 +1,195 @@
+"""TensorFlow's collective all-reduce across workers (several processes or machines, gRPC).
+
+The workers come from `cluster_spec` or `TF_CONFIG`, the way TensorFlow's
+MultiWorkerMirroredStrategy finds them; `kmirror.cluster.connect()` must run at the start of each
+worker's program, since TensorFlow configures collective ops only then. Each worker holds a
+replica per local device (every GPU, else every logical CPU device) and takes its replicas' rows
+of every global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.eager import context
+
+from kmirror import cluster
+from kmirror.errors import PeerLost, reason
+from kmirror.reducers.base import Reducer
+from kmirror.reducers.in_process import require_gpus
+
+__all__ = ["Collective"]
+
+IMPLEMENTATIONS = {
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+}
+
+
+class Collective(Reducer):
+    """TensorFlow's collective all-reduce between workers: `"ring"`, `"nccl"` (GPUs) or `"auto"`.
+
+    Created by `kmirror.wrap(model, reducer="ring", cluster_spec=...)` or with `TF_CONFIG` set;
+    every worker runs the same script.
+
+    Example:
+
+    ```python
+    kmirror.cluster.connect()                 # first thing in the script: reads TF_CONFIG
+    model = kmirror.wrap(build_model(), reducer="ring")
+    model.fit(x, y, batch_size=256)           # 256 rows per step over all workers
+    ```
+
+    Args:
+        communication: "ring", "nccl" or "auto" (TensorFlow chooses).
+        timeout_seconds: how long a collective may wait for another worker before failing.
+    """
+
+    options = ("timeout_seconds",)
+    name = "ring"
+
+    def __init__(self, communication: str = "ring", timeout_seconds: float = 120.0) -> None:
+        super().__init__()
+        if communication not in IMPLEMENTATIONS:
+            raise ValueError(f"communication must be one of {list(IMPLEMENTATIONS)}.")
+        self.name = communication
+        self.timeout_seconds = timeout_seconds
+
+    def select_devices(self, devices, num_gpus) -> list[str]:
+        if devices is not None or num_gpus is not None:
+            raise ValueError(
+                "devices and num_gpus cannot be given together with cluster_spec / TF_CONFIG: "
+                "every worker replicates on all its local GPUs, else on its CPU devices, as "
+                "TensorFlow's MultiWorkerMirroredStrategy does; limit a worker's GPUs with "
+                "CUDA_VISIBLE_DEVICES."
+            )
+        self.cluster = cluster.connected()
+        local = [d.split("/job:")[-1] for d in self.cluster.strategy.extended.worker_devices]
+        local = ["/" + d.rsplit("/", 1)[-1] for d in local]
+        if self.name == "nccl":
+            require_gpus("nccl", local)
+        return local
+
+    def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
+        self._check_same_device_count(len(devices))
+        strategy = self.cluster.strategy
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=IMPLEMENTATIONS[self.name], timeout_seconds=self.timeout_seconds
+        )
+        # The job's strategy exists since connect(); this reducer sets how it communicates.
+        strategy.extended._communication_options = options
+        strategy.extended._cross_device_ops._options = options
+        return strategy
+
+    def _check_same_device_count(self, count: int) -> None:
+        """Every worker must have as many replicas; a mismatch would hang the first collective."""
+        counts = self.cluster.exchange("devices", str(count))
+        if len(set(counts)) > 1:
+            raise ValueError(
+                "every worker must use the same number of local devices; the workers have "
+                f"{', '.join(counts)} (in task order). Give each worker the same GPUs "
+                "(num_gpus=N) or the same kmirror.devices.simulate(n)."
+            )
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.is_chief
+
+    def concat(self, per_replica):
+        with self.strategy.scope():
+            return tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), per_replica)
+
+    def broadcast(self, variables: list) -> None:
+        """Every worker takes worker 0's values (each may have built its model differently)."""
+        strategy = self.strategy
+
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
+            values = [tf.cast(v.value, tf.float64) * mine for v in variables]
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)
+
+        key = tuple(id(v) for v in variables)
+        if getattr(self, "_broadcast_key", None) != key:  # one trace per set of variables
+            self._broadcast_key = key
+            self._broadcast_fn = tf.function(lambda: strategy.run(replica_fn))
+        reduced = self._broadcast_fn()
+        for variable, value in zip(variables, reduced):
+            first = strategy.experimental_local_results(value)[0]
+            variable.assign(tf.cast(first, variable.dtype))
+
+    def agree_on_seed(self) -> None:
+        import keras
+
+        drawn = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
+        seeds = self.cluster.exchange("seed", str(drawn))
+        keras.utils.set_random_seed(int(seeds[self.cluster.chief_index]))
+
+    @contextlib.contextmanager
+    def failures(self):
+        try:
+            yield
+        except (
+            tf.errors.UnavailableError,
+            tf.errors.DeadlineExceededError,
+            tf.errors.CancelledError,
+            tf.errors.AbortedError,
+            tf.errors.InternalError,
+        ) as error:
+            first = reason(error)
+            raise PeerLost(
+                f"kmirror: worker {self.cluster.task_type}:{self.cluster.task_id} stops because "
+                f"another worker of the job stopped or cannot be reached ({first}). Relaunch every "
+                "worker; with kmirror.callbacks.BackupAndRestore, training resumes from the last "
+                "epoch."
+            ) from None
+
+    def describe(self) -> str:
+        return (
+            f"collective {self.name} over {self.num_replicas} replica(s) on "
+            f"{self.cluster.num_workers} worker(s)"
+        )
+
+
+class _Extended(tf_collective.CollectiveAllReduceExtended):
+    """TensorFlow's multi-worker strategy, with one replica per logical CPU device when there are
+    no GPUs (TensorFlow would use one CPU device per worker)."""
+
+    def __init__(self, *args, cpu_devices: int = 1, **kwargs):
+        self._kmirror_cpu_devices = cpu_devices
+        super().__init__(*args, **kwargs)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, kind = super()._initialize_local_devices(cluster_resolver, worker_device)
+        if kind == "CPU" and self._kmirror_cpu_devices > 1:
+            devices = tuple(
+                f"{worker_device}/device:CPU:{i}" for i in range(self._kmirror_cpu_devices)
+            )
+        return devices, kind
+
+
+class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
+    def __init__(self, cluster_resolver, communication_options, cpu_devices):
+        distribute_lib.Strategy.__init__(
+            self,
+            _Extended(
+                self,
+                cluster_resolver=cluster_resolver,
+                communication_options=communication_options,
+                cpu_devices=cpu_devices,
+            ),
+        )
+
+
+def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distribute.Strategy:
+    """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
+    without GPUs)."""
+    return _MultiWorker(resolver, options, cpu_devices)
+
+
+def collective_ops_configured() -> bool:
+    return context.context()._collective_leader is not None

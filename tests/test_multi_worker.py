@@ -1,0 +1,249 @@
+"""Multi-worker training on TensorFlow's collective ring: workers on loopback, each starting from
+its own weights, train exactly as one device would with the same global batch."""
+
+import functools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import cpus
+from models import assert_same_history, dense_data, dense_model, max_weight_difference
+from multi_process import Weights, assert_equal_across_ranks, reference, square_and_task
+
+import kmirror
+from kmirror import cluster
+
+HERE = Path(__file__).parent
+PYTHON = sys.executable
+TIMEOUT = 300
+
+
+def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
+    return [
+        PYTHON,
+        "-m",
+        "kmirror.launch",
+        "--workers",
+        str(workers),
+        "--timeout",
+        str(timeout),
+        *script,
+    ]
+
+
+@functools.cache
+def job(devices_per_worker: int, folder: str) -> list[dict]:
+    done = subprocess.run(
+        launch([str(HERE / "multi_process_job.py"), folder, "ring", str(devices_per_worker)]),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT + 30,
+        cwd=HERE.parent,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(2)]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-device-per-worker", "2-devices-per-worker"])
+def workers(request, tmp_path_factory):
+    return request.param, job(request.param, str(tmp_path_factory.mktemp("ring")))
+
+
+@pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])
+def test_two_workers_equal_single_device(workers, scenario):
+    """Different initial weights per worker, SGD with momentum, an uneven final batch (3*33+2)."""
+    _, ranks = workers
+    model, history = reference(scenario)
+    assert_equal_across_ranks(ranks, scenario)
+    for rank in ranks:
+        assert max_weight_difference(model, Weights(rank[scenario]["weights"])) < 1e-5
+        assert_same_history(history, rank[scenario]["history"])
+
+
+def test_chief_replicas_and_global_evaluate_and_predict(workers):
+    devices, ranks = workers
+    assert [r["numpy"]["is_chief"] for r in ranks] == [True, False]
+    assert [r["numpy"]["num_replicas"] for r in ranks] == [2 * devices] * 2
+    assert [r["numpy"]["reducer"] for r in ranks] == ["ring", "ring"]
+    model, _ = reference("numpy")
+    x, y = dense_data()
+    expected_predict = model.predict(x, batch_size=10, verbose=0)
+    for rank in ranks:
+        np.testing.assert_allclose(
+            rank["numpy"]["evaluate"], model.evaluate(x, y, batch_size=7, verbose=0), rtol=1e-5
+        )
+        np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
+
+
+def test_shuffled_epochs_see_every_sample_once(workers):
+    _, ranks = workers
+    for rank in ranks:
+        loss, accuracy = rank["shuffled"]["evaluate"]
+        np.testing.assert_allclose(rank["shuffled"]["history"]["loss"], [loss, loss], rtol=1e-5)
+        np.testing.assert_allclose(rank["shuffled"]["history"]["accuracy"], [accuracy] * 2)
+
+
+def test_launch_run_in_ring_mode_returns_every_workers_result():
+    results = kmirror.launch.run(square_and_task, n=2, mode="ring", args=(3,), timeout=120)
+    assert results == [(9, 0, True), (9, 1, False)]
+
+
+MISMATCHED = """
+import json, os, sys
+import kmirror
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+kmirror.devices.simulate(index + 1)
+kmirror.cluster.connect()
+sys.path.insert(0, {tests!r})
+from models import dense_model
+kmirror.wrap(dense_model(), reducer="ring")
+"""
+
+
+def test_workers_with_different_device_counts_fail_clearly_without_hanging(tmp_path):
+    script = tmp_path / "mismatched.py"
+    script.write_text(MISMATCHED.format(tests=str(HERE)))
+    started = time.monotonic()
+    done = subprocess.run(
+        launch([str(script)], timeout=120), capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode != 0
+    assert time.monotonic() - started < 120, "it must fail, not wait for a timeout"
+    assert "every worker must use the same number of local devices; the workers have 1, 2" in (
+        done.stdout
+    )
+
+
+SLOW = """
+import json, os, sys, time
+import kmirror
+kmirror.cluster.connect()
+sys.path.insert(0, {tests!r})
+import keras
+from models import dense_data, dense_model
+model = kmirror.wrap(dense_model(), reducer="ring", timeout_seconds=60)
+x, y = dense_data(n=20000)
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+class Mark(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            open(os.path.join({folder!r}, "pid%d" % index), "w").write(str(os.getpid()))
+        time.sleep(0.01)
+model.fit(x, y, batch_size=32, epochs=100, verbose=0, callbacks=[Mark()])
+"""
+
+
+def test_a_killed_worker_makes_the_other_fail_with_a_message(tmp_path):
+    """Workers started by hand (no launcher to stop them): the survivor notices by itself."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW.format(tests=str(HERE), folder=str(tmp_path)))
+    environments = kmirror.launch._tf_config_environment(2)
+    processes = [
+        subprocess.Popen(
+            [PYTHON, str(script)],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for env in environments
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid1").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (tmp_path / "pid1").exists(), "worker 1 never started training"
+        killed_at = time.monotonic()
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+        output, _ = processes[0].communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert processes[0].returncode != 0
+    assert elapsed < 90
+    assert "PeerLost" in output and "another worker of the job stopped" in output
+
+
+SPEC = {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}
+
+
+@pytest.mark.parametrize(
+    "spec, task_type, task_id, match",
+    [
+        (SPEC, "worker", None, "task_id is missing"),
+        (SPEC, "worker", 2, r"task_id=2 is out of range: job 'worker' has 2 task\(s\)"),
+        (SPEC, "ps", 0, "task_type 'ps' is not a job of the cluster"),
+        ({"ps": ["127.0.0.1:1"]}, "ps", 0, "at most one 'chief'"),
+        ("worker:1111", "worker", 0, "cluster_spec must be a dict"),
+    ],
+)
+def test_cluster_spec_mistakes_are_named(spec, task_type, task_id, match):
+    with pytest.raises(ValueError, match=match):
+        kmirror.wrap(
+            dense_model(), reducer="ring", cluster_spec=spec, task_type=task_type, task_id=task_id
+        )
+
+
+def test_cluster_spec_forms_and_the_chief_rule():
+    import tensorflow as tf
+
+    for form in (SPEC, tf.train.ClusterSpec(SPEC), tf.train.ClusterSpec(SPEC).as_cluster_def()):
+        described = cluster.describe(form, "worker", 1)
+        assert described.num_workers == 2 and not described.is_chief
+    assert cluster.describe(SPEC, "worker", 0).is_chief
+    with_chief = {"chief": ["127.0.0.1:3"], **SPEC}
+    assert cluster.describe(with_chief, "chief", 0).is_chief
+    assert not cluster.describe(with_chief, "worker", 0).is_chief
+
+
+def test_devices_together_with_a_cluster_spec():
+    with pytest.raises(ValueError, match="devices cannot be given together with cluster_spec"):
+        kmirror.wrap(
+            dense_model(),
+            reducer="ring",
+            devices=cpus(2),
+            cluster_spec=SPEC,
+            task_type="worker",
+            task_id=0,
+        )
+
+
+def test_in_process_reducers_across_workers_are_refused(monkeypatch):
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": SPEC, "task": {"type": "worker", "index": 0}})
+    )
+    for name in ("hierarchical_copy", "one_device", "horovod"):
+        with pytest.raises(ValueError, match="does not run across workers.*'ring'"):
+            kmirror.wrap(dense_model(), reducer=name)
+
+
+def test_joining_a_cluster_after_tensorflow_started_says_to_connect_first():
+    with pytest.raises(RuntimeError, match="must run before TensorFlow starts"):
+        kmirror.wrap(
+            dense_model(), reducer="ring", cluster_spec=SPEC, task_type="worker", task_id=0
+        )
+
+
+def test_ring_without_a_cluster_says_how_to_get_one():
+    with pytest.raises(ValueError, match="needs a cluster: set TF_CONFIG"):
+        kmirror.wrap(dense_model(), reducer="ring", devices=cpus(2))
+
+
+def test_launcher_rejects_workers_with_n():
+    done = subprocess.run(
+        [PYTHON, "-m", "kmirror.launch", "--workers", "2", "-n", "2", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "do not combine it with -n" in done.stderr
