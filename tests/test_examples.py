@@ -63,3 +63,19 @@ def test_checkpoint_example_crashes_and_resumes(tmp_path):
     resumed = run("examples/checkpoint_resume.py", "--out", str(out), "--epochs", "4")
     assert "trained epochs 3..4 of 4" in resumed
     assert (out / "best.keras").exists() and not (out / "backup").exists()
+
+
+def test_multi_worker_example_under_the_launcher():
+    out = run(
+        "-m",
+        "kmirror.launch",
+        "--workers",
+        "2",
+        "--timeout",
+        "240",
+        "examples/multi_worker_digits.py",
+        "--epochs",
+        "1",
+    )
+    checksums = {line.split("checksum")[-1] for line in out.splitlines() if "checksum" in line}
+    assert len(checksums) == 1 and "chief of 2 replicas" in out and "worker of 2 replicas" in out
