@@ -31,6 +31,7 @@ format: install
 bench: install
 	$(PY) benchmarks/bench_overhead.py
 	$(PY) benchmarks/bench_horovod.py
+	$(PY) benchmarks/bench_ring.py
 	$(PY) benchmarks/bench_allreduce.py
 
 clean:

@@ -44,8 +44,8 @@ def test_nccl_without_gpus_says_gpus_are_needed_and_what_to_use(model):
         kmirror.wrap(model, reducer=kmirror.reducers.Nccl(), devices=cpus(3))
 
 
-def test_reducers_not_in_this_version_say_what_to_use(model):
-    with pytest.raises(NotImplementedError, match="Use reducer='horovod', 'hierarchical_copy'"):
+def test_ring_without_a_cluster_says_how_to_start_workers(model):
+    with pytest.raises(ValueError, match="needs a cluster: set TF_CONFIG"):
         kmirror.wrap(model, reducer="ring", devices=cpus(2))
 
 
