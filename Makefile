@@ -34,5 +34,8 @@ bench: install
 	$(PY) benchmarks/bench_ring.py
 	$(PY) benchmarks/bench_allreduce.py
 
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

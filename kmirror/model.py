@@ -62,7 +62,8 @@ def wrap(
         num_gpus: use the first `num_gpus` GPUs instead of naming devices (0: the CPUs).
         cluster_spec: the workers of a multi-worker job (a dict, `tf.train.ClusterSpec` or
             `ClusterDef`); default: `TF_CONFIG`'s. Call `kmirror.cluster.connect()` first.
-        task_type, task_id: this process's place in `cluster_spec` ("worker" or "chief", index).
+        task_type: this process's job in `cluster_spec` ("worker" or "chief").
+        task_id: this process's index in its job.
         **reducer_options: options of the named reducer, e.g. `num_packs=2` for `"nccl"`.
 
     Returns:

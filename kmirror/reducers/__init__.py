@@ -55,7 +55,8 @@ def get(reducer, devices=None, num_gpus=None, multi_worker: bool = False, **opti
 
     Args:
         reducer: a name from `REDUCERS`, a `Reducer` object, or a `tf.distribute.CrossDeviceOps`.
-        devices, num_gpus: the devices asked for (they decide what `"auto"` picks).
+        devices: the devices asked for (they decide what `"auto"` picks).
+        num_gpus: the GPU count asked for, instead of devices.
         multi_worker: the process is one worker of a cluster (`cluster_spec` or `TF_CONFIG`).
         **options: options of the named reducer, such as `num_packs`.
     """
