@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -112,39 +111,9 @@ def main():
     if args.child:
         return child(args.samples, args.rounds, args.child)
 
-    import kmirror.launch
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "medians.json")
-        command = [
-            sys.executable,
-            __file__,
-            "--child",
-            out,
-            "--rounds",
-            str(args.rounds),
-            "--samples",
-            str(args.samples),
-        ]
-        one_core = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(command, n=2, timeout=900, env=one_core, output=quiet)
-        if code != 0:
-            raise SystemExit(f"the benchmark job failed with exit code {code}")
-        with open(out) as f:
-            medians = json.load(f)
-    ratio = round(medians["kmirror"] / medians["handwritten"], 4)
-    results = json.loads(common.RESULTS.read_text()) if common.RESULTS.exists() else {}
-    overhead = {**results.get("wrapper_overhead", {}), "horovod": ratio}
-    common.update_results("wrapper_overhead", overhead)
+    medians = common.run_job(__file__, "horovod", args.rounds, args.samples)
+    common.record_overhead("horovod", medians, "handwritten", processes=2)
     common.update_results("keras_fit_vs_loop", round(medians["keras_fit"] / medians["loop"], 4))
-    details = results.get("wrapper_overhead_details", {})
-    details["horovod"] = {
-        "processes": 2,
-        **{f"{side}_ms_per_step": round(1e3 * t, 3) for side, t in medians.items()},
-    }
-    common.update_results("wrapper_overhead_details", details)
-    print(f"horovod: time x{ratio:.3f}  {details['horovod']}")
 
 
 if __name__ == "__main__":

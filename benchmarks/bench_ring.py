@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -95,41 +94,8 @@ def main():
     if args.child:
         return child(args.samples, args.rounds, args.child)
 
-    import kmirror.launch
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "medians.json")
-        command = [
-            sys.executable,
-            __file__,
-            "--child",
-            out,
-            "--rounds",
-            str(args.rounds),
-            "--samples",
-            str(args.samples),
-        ]
-        one_core = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(
-                command, n=2, mode="ring", timeout=900, env=one_core, output=quiet
-            )
-        if code != 0:
-            raise SystemExit(f"the benchmark job failed with exit code {code}")
-        with open(out) as f:
-            medians = json.load(f)
-    ratio = round(medians["kmirror"] / medians["handwritten"], 4)
-    results = json.loads(common.RESULTS.read_text()) if common.RESULTS.exists() else {}
-    common.update_results(
-        "wrapper_overhead", {**results.get("wrapper_overhead", {}), "ring": ratio}
-    )
-    details = results.get("wrapper_overhead_details", {})
-    details["ring"] = {
-        "workers": 2,
-        **{f"{side}_ms_per_step": round(1e3 * t, 3) for side, t in medians.items()},
-    }
-    common.update_results("wrapper_overhead_details", details)
-    print(f"ring: time x{ratio:.3f}  {details['ring']}")
+    medians = common.run_job(__file__, "ring", args.rounds, args.samples)
+    common.record_overhead("ring", medians, "handwritten", workers=2)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,48 @@ def update_results(section: str, values) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[section] = values
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def run_job(script: str, mode: str, rounds: int, samples: int) -> dict[str, float]:
+    """Runs `script --child OUT` as a 2-process job, one core each; returns the medians written."""
+    import sys
+    import tempfile
+
+    import kmirror.launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "medians.json")
+        command = [
+            sys.executable,
+            script,
+            "--child",
+            out,
+            "--rounds",
+            str(rounds),
+            "--samples",
+            str(samples),
+        ]
+        one_core = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+        with open(os.devnull, "w") as quiet:
+            code = kmirror.launch.launch(
+                command, n=2, mode=mode, timeout=900, env=one_core, output=quiet
+            )
+        if code != 0:
+            raise SystemExit(f"the benchmark job failed with exit code {code}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def record_overhead(reducer: str, medians: dict[str, float], baseline: str, **facts) -> float:
+    """Adds `reducer`'s kmirror / baseline ratio to "wrapper_overhead", with its timings."""
+    ratio = round(medians["kmirror"] / medians[baseline], 4)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    update_results("wrapper_overhead", {**results.get("wrapper_overhead", {}), reducer: ratio})
+    details = results.get("wrapper_overhead_details", {})
+    details[reducer] = {
+        **facts,
+        **{f"{side}_ms_per_step": round(1e3 * t, 3) for side, t in medians.items()},
+    }
+    update_results("wrapper_overhead_details", details)
+    print(f"{reducer}: time x{ratio:.3f}  {details[reducer]}")
+    return ratio

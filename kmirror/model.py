@@ -208,16 +208,10 @@ class MirroredModel(keras.Model):
         if jit_compile == "auto":
             jit_compile = not run_eagerly and self._replica._resolve_auto_jit_compile()
         self._replica_jit_compile = bool(jit_compile) and not run_eagerly
+        # The outer step is never XLA-compiled; the replicas' optimizer already scales the loss.
         super().compile(
+            **{**self._user_compile, "jit_compile": False, "auto_scale_loss": False},
             optimizer=self._replica.optimizer,
-            loss=loss,
-            loss_weights=loss_weights,
-            metrics=metrics,
-            weighted_metrics=weighted_metrics,
-            run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution,
-            jit_compile=False,
-            auto_scale_loss=False,
         )
 
     @property

@@ -28,7 +28,19 @@ class InProcessReducer(Reducer):
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=self.cross_device_ops())
 
 
-class Nccl(InProcessReducer):
+class _Packing(InProcessReducer):
+    """An all-reduce that concatenates gradients into `num_packs` packs first."""
+
+    options = ("num_packs",)
+
+    def __init__(self, num_packs: int = 1) -> None:
+        super().__init__()
+        if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
+            raise ValueError(f"num_packs must be a whole number >= 0; got {num_packs!r}.")
+        self.num_packs = num_packs
+
+
+class Nccl(_Packing):
     """NVIDIA NCCL all-reduce between the GPUs of one machine.
 
     The fastest choice with two or more GPUs: gradients move GPU to GPU over NVLink or PCIe,
@@ -46,11 +58,6 @@ class Nccl(InProcessReducer):
     """
 
     name = "nccl"
-    options = ("num_packs",)
-
-    def __init__(self, num_packs: int = 1) -> None:
-        super().__init__()
-        self.num_packs = _num_packs(num_packs)
 
     def check_devices(self, devices: list[str]) -> None:
         require_gpus(self.name, devices)
@@ -59,7 +66,7 @@ class Nccl(InProcessReducer):
         return tf.distribute.NcclAllReduce(num_packs=self.num_packs)
 
 
-class HierarchicalCopy(InProcessReducer):
+class HierarchicalCopy(_Packing):
     """Hierarchical copy all-reduce: sum within two groups of devices, then between the groups.
 
     Designed for machines whose GPUs form two fully connected groups (DGX-1 style); it runs on any
@@ -78,11 +85,6 @@ class HierarchicalCopy(InProcessReducer):
     """
 
     name = "hierarchical_copy"
-    options = ("num_packs",)
-
-    def __init__(self, num_packs: int = 1) -> None:
-        super().__init__()
-        self.num_packs = _num_packs(num_packs)
 
     def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
         return _HierarchicalCopyAllReduce(num_packs=self.num_packs)
@@ -151,12 +153,6 @@ def require_gpus(reducer: str, devices: list[str]) -> None:
             f"the devices {devices}. Use reducer='hierarchical_copy' or 'one_device' on CPUs, "
             "or reducer='auto' to let kmirror choose."
         )
-
-
-def _num_packs(value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"num_packs must be a whole number >= 0; got {value!r}.")
-    return value
 
 
 class _HierarchicalCopyAllReduce(tf.distribute.HierarchicalCopyAllReduce):
