@@ -35,13 +35,8 @@ def is_chief(model=None) -> bool:
         return _connected.is_chief
     if "HOROVOD_RANK" in os.environ:
         return os.environ["HOROVOD_RANK"] == "0"
-    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    task = config.get("task") or {}
-    if not task:
-        return True
-    if "chief" in config.get("cluster", {}):
-        return task.get("type") == "chief"
-    return task.get("type") == "worker" and int(task.get("index", 0)) == 0
+    workers = describe()  # TF_CONFIG's cluster, with the chief rule of Cluster
+    return workers.is_chief if workers is not None else True
 
 
 class Cluster:

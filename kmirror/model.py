@@ -125,6 +125,7 @@ class MirroredModel(keras.Model):
         self._reducer = reducer
         self._replica_jit_compile = False
         self._user_compile: dict[str, Any] | None = None
+        self._synchronized = False  # every process has the chief's weights for this fit
         self._replica = _replicate(model, reducer)
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
         if hasattr(self._replica, "output_names"):
@@ -297,7 +298,7 @@ class MirroredModel(keras.Model):
         # Keras calls this once per fit, after building: the moment every process takes the
         # chief's weights and optimizer state, so that all start identical.
         function = super().make_train_function(force)
-        if not getattr(self, "_synchronized", False):
+        if not self._synchronized:
             self._reducer.broadcast(self._replica.variables + list(self.optimizer.variables))
             self._synchronized = True
         return function

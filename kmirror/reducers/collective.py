@@ -14,9 +14,9 @@ import contextlib
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
 from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.eager import context
 
 from kmirror import cluster
+from kmirror import devices as devices_lib
 from kmirror.errors import PeerLost, reason
 from kmirror.reducers.base import Reducer
 from kmirror.reducers.in_process import require_gpus
@@ -68,8 +68,7 @@ class Collective(Reducer):
                 "CUDA_VISIBLE_DEVICES."
             )
         self.cluster = cluster.connected()
-        local = [d.split("/job:")[-1] for d in self.cluster.strategy.extended.worker_devices]
-        local = ["/" + d.rsplit("/", 1)[-1] for d in local]
+        local = [devices_lib.canonical(d) for d in self.cluster.strategy.extended.worker_devices]
         if self.name == "nccl":
             require_gpus("nccl", local)
         return local
@@ -189,7 +188,3 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
     """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
     without GPUs)."""
     return _MultiWorker(resolver, options, cpu_devices)
-
-
-def collective_ops_configured() -> bool:
-    return context.context()._collective_leader is not None
