@@ -27,6 +27,31 @@ def model_and_data(samples: int, width: int = 512, depth: int = 2, seed: int = 0
     return model, x, y
 
 
+def many_small_layers(samples: int, layers: int = 100, units: int = 64, seed: int = 0):
+    """A model of `layers` Dense layers of `units` units: many small gradients, where packing them
+    together before the all-reduce matters most."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(seed)
+    stack = [keras.Input((units,))]
+    stack += [keras.layers.Dense(units, activation="relu") for _ in range(layers)]
+    stack += [keras.layers.Dense(10)]
+    model = keras.Sequential(stack)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, units)).astype("float32")
+    y = rng.integers(0, 10, size=samples)
+    return model, x, y
+
+
+def digits():
+    """scikit-learn's bundled digits, scaled to [0, 1]: real data, nothing downloaded."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    return (data.data / 16.0).astype("float32"), data.target.astype("int64")
+
+
 def compile_model(model):
     import keras
 

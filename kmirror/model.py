@@ -126,6 +126,7 @@ class MirroredModel(keras.Model):
         self._replica_jit_compile = False
         self._user_compile: dict[str, Any] | None = None
         self._synchronized = False  # every process has the chief's weights for this fit
+        self._seeded = False  # every process draws the same random numbers
         self._replica = _replicate(model, reducer)
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
         if hasattr(self._replica, "output_names"):
@@ -280,7 +281,11 @@ class MirroredModel(keras.Model):
         self._synchronized = False
         with self._reducer.failures():
             # Processes of one job must shuffle alike: each takes its rows of the same batch.
-            self._reducer.agree_on_seed()
+            # Seeded once: from then on they draw the same numbers. Seeding TensorFlow clears its
+            # kernel caches, so seeding every fit would rebuild the step (seconds) every time.
+            if not self._seeded:
+                self._reducer.agree_on_seed()
+                self._seeded = True
             return super().fit(*args, **self._chief_prints(keras.Model.fit, args, kwargs))
 
     def evaluate(self, *args, **kwargs):

@@ -67,11 +67,43 @@ def main(out):
     history = fit(model, xs, ys, sample_weight=weights, epochs=EPOCHS)
     results["multi_io"] = {"weights": model.get_weights(), "history": history}
 
+    # Gradients handed to Horovod one by one, and packed into 3 buffers (default: 1).
+    for num_packs in (0, 3) if REDUCER == "horovod" else ():
+        reducer = kmirror.reducers.Horovod(num_packs=num_packs)
+        model = kmirror.wrap(multi_io_model("sgd", seed=seed), reducer=reducer)
+        history = fit(model, xs, ys, sample_weight=weights, epochs=EPOCHS)
+        results[f"multi_io, num_packs={num_packs}"] = {
+            "weights": model.get_weights(),
+            "history": history,
+        }
+
     for compression in ("fp16", "bf16") if REDUCER == "horovod" else ():
         reducer = kmirror.reducers.Horovod(compression=compression, sparse_as_dense=True)
         model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=reducer)
         history = fit(model, x, y, epochs=EPOCHS)
         results[compression] = {"weights": model.get_weights(), "history": history}
+
+    # Traces of the training step: one per batch shape, none more in later epochs or fits; and
+    # TensorFlow seeded once (seeding clears its kernel caches: the step is built again).
+    traces, seedings = [], []
+    trace, seed_all = kmirror.step.train, keras.utils.set_random_seed
+
+    def counting(*args, **kwargs):
+        traces.append(1)
+        return trace(*args, **kwargs)
+
+    def seeding(value):
+        seedings.append(value)
+        return seed_all(value)
+
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
+    kmirror.step.train, keras.utils.set_random_seed = counting, seeding
+    counts = []
+    for _ in range(3):
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0)
+        counts.append(len(traces))
+    kmirror.step.train, keras.utils.set_random_seed = trace, seed_all
+    results["traces"] = {"after each fit": counts, "seedings": len(seedings)}
 
     # Shuffled epochs with a frozen model: every sample seen once per epoch, by one rank.
     model = dense_model(seed=seed, compiled=False)

@@ -47,9 +47,13 @@ def ranks(request, tmp_path_factory):
     return job(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
-@pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["numpy", "tf.data", "xla", "multi_io", "multi_io, num_packs=0", "multi_io, num_packs=3"],
+)
 def test_two_ranks_equal_single_device(ranks, scenario):
-    """Different initial weights per rank, SGD with momentum, an uneven final batch (3*33+2)."""
+    """Different initial weights per rank, SGD with momentum, an uneven final batch (3*33+2);
+    gradients packed into 1 buffer (default), 3, or handed to Horovod one by one."""
     model, history = reference(scenario)
     assert_equal_across_ranks(ranks, scenario)
     for rank in ranks:
@@ -62,6 +66,15 @@ def test_only_rank_0_is_chief_and_the_job_has_two_replicas(ranks):
     assert [r["numpy"]["num_replicas"] for r in ranks] == [2, 2]
     assert [r["numpy"]["reducer"] for r in ranks] == ["horovod", "horovod"]
     assert [r["xla"]["replica_jit_compile"] for r in ranks] == [True, True]
+
+
+def test_later_epochs_and_fits_do_not_retrace_the_step(ranks):
+    """Traced once per batch shape; every process seeded alike once, at the first fit (seeding
+    again would clear TensorFlow's kernel caches and rebuild the step at every fit)."""
+    for rank in ranks:
+        counts = rank["traces"]["after each fit"]  # 3 fits of 2 shuffled epochs
+        assert 1 <= counts[0] <= 2 and counts == [counts[0]] * 3, counts
+        assert rank["traces"]["seedings"] == 1
 
 
 def test_shuffled_epochs_see_every_sample_once_on_one_rank(ranks):

@@ -82,6 +82,16 @@ def test_chief_replicas_and_global_evaluate_and_predict(workers):
         np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
 
 
+def test_later_epochs_and_fits_do_not_retrace_the_step(workers):
+    """Traced once per batch shape; every process seeded alike once, at the first fit (seeding
+    again would clear TensorFlow's kernel caches and rebuild the step at every fit)."""
+    _, ranks = workers
+    for rank in ranks:
+        counts = rank["traces"]["after each fit"]  # 3 fits of 2 shuffled epochs
+        assert 1 <= counts[0] <= 2 and counts == [counts[0]] * 3, counts
+        assert rank["traces"]["seedings"] == 1
+
+
 def test_shuffled_epochs_see_every_sample_once(workers):
     _, ranks = workers
     for rank in ranks:

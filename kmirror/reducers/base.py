@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from kmirror import devices as devices_lib
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "check_num_packs"]
 
 
 class Reducer:
@@ -117,3 +117,10 @@ class Reducer:
 
     def describe(self) -> str:
         return f"{self.name} over {self.num_replicas} replica(s)"
+
+
+def check_num_packs(num_packs) -> int:
+    """`num_packs` if it is a whole number >= 0; else a ValueError."""
+    if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
+        raise ValueError(f"num_packs must be a whole number >= 0; got {num_packs!r}.")
+    return num_packs

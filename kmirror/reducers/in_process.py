@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 
-from kmirror.reducers.base import Reducer
+from kmirror.reducers.base import Reducer, check_num_packs
 
 __all__ = ["InProcessReducer", "Nccl", "HierarchicalCopy", "OneDevice", "CrossDeviceOps"]
 
@@ -35,9 +35,7 @@ class _Packing(InProcessReducer):
 
     def __init__(self, num_packs: int = 1) -> None:
         super().__init__()
-        if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
-            raise ValueError(f"num_packs must be a whole number >= 0; got {num_packs!r}.")
-        self.num_packs = num_packs
+        self.num_packs = check_num_packs(num_packs)
 
 
 class Nccl(_Packing):

@@ -1,0 +1,138 @@
+"""Gradient fusion: step time on a model of many small layers, by how gradients are packed.
+
+A model of 100 Dense layers of 64 units has 202 small gradients. Each all-reduce has a fixed cost,
+so reducers pack gradients together first: TensorFlow's all-reduces by `num_packs`, Horovod by its
+fusion buffer (`HOROVOD_FUSION_THRESHOLD` bytes). This benchmark times one training step of the
+same model and global batch with:
+
+- in one process (`--devices` simulated devices): `hierarchical_copy` with `num_packs` 0 (no
+  packing: one all-reduce per gradient), 1, 2 and 4, and `one_device` (no packing option);
+- under Horovod (2 processes): kmirror's packing (`num_packs` 1 and 2), and without it
+  (`num_packs=0`) Horovod's tensor fusion alone, or neither (fusion threshold 0).
+
+and marks kmirror's defaults, so that each default can be checked against the best measured.
+Writes `"fusion"` to benchmarks/results.json.
+
+    python benchmarks/bench_fusion.py [--devices 2] [--rounds 5] [--samples 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+BATCH = 256
+#: In-process settings: name -> (reducer, options). kmirror's default is the reducer's defaults.
+IN_PROCESS = {
+    "hierarchical_copy, no packing (num_packs=0)": ("hierarchical_copy", {"num_packs": 0}),
+    "hierarchical_copy, num_packs=1 (default)": ("hierarchical_copy", {}),
+    "hierarchical_copy, num_packs=2": ("hierarchical_copy", {"num_packs": 2}),
+    "hierarchical_copy, num_packs=4": ("hierarchical_copy", {"num_packs": 4}),
+    "one_device (default)": ("one_device", {}),
+}
+#: Horovod settings: name -> (num_packs, HOROVOD_FUSION_THRESHOLD or None for Horovod's default).
+HOROVOD = {
+    "horovod, no packing, no fusion (num_packs=0, threshold 0)": (0, "0"),
+    "horovod, Horovod's fusion only (num_packs=0)": (0, None),
+    "horovod, num_packs=1 (default)": (1, None),
+    "horovod, num_packs=2": (2, None),
+}
+
+
+def horovod_child(samples: int, rounds: int, num_packs: int, out: str) -> None:
+    import kmirror
+
+    model, x, y = common.many_small_layers(samples)
+    reducer = kmirror.reducers.Horovod(num_packs=num_packs)
+    model = kmirror.wrap(common.compile_model(model), reducer=reducer)
+    common.seconds_per_step(model, x, y, BATCH)  # warm-up: tracing
+    step = common.interleaved({"step": lambda: common.seconds_per_step(model, x, y, BATCH)}, rounds)
+    if model.is_chief:
+        with open(out, "w") as f:
+            json.dump(step, f)
+
+
+def horovod_step(num_packs: int, threshold: str | None, samples: int, rounds: int) -> float:
+    import kmirror.launch
+
+    env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+    if threshold is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = threshold
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "median.json")
+        command = [sys.executable, __file__, "--horovod-child", out, "--samples", str(samples)]
+        command += ["--rounds", str(rounds), "--num-packs", str(num_packs)]
+        with open(os.devnull, "w") as quiet:
+            code = kmirror.launch.launch(command, n=2, timeout=900, env=env, output=quiet)
+        if code != 0:
+            raise SystemExit(f"the horovod fusion job failed with exit code {code}")
+        with open(out) as f:
+            return json.load(f)["step"]
+
+
+def summarise(times: dict[str, float]) -> dict:
+    """Milliseconds per step, the best setting, and how far each default is from it."""
+    best = min(times, key=times.get)
+    rows = {name: round(1e3 * t, 3) for name, t in times.items()}
+    defaults = {name: round(t / times[best], 4) for name, t in times.items() if "(default)" in name}
+    return {"ms_per_step": rows, "best": best, "default_vs_best": defaults}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
+    parser.add_argument("--num-packs", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.horovod_child:
+        return horovod_child(args.samples, args.rounds, args.num_packs, args.horovod_child)
+
+    import kmirror
+
+    devices = kmirror.devices.simulate(args.devices)
+    settings = dict(IN_PROCESS)
+    if kmirror.devices.gpu_count() >= 2:
+        settings["nccl, no packing (num_packs=0)"] = ("nccl", {"num_packs": 0})
+        settings["nccl, num_packs=1 (default)"] = ("nccl", {})
+    models = {}
+    for name, (reducer, options) in settings.items():
+        model, x, y = common.many_small_layers(args.samples)
+        model = kmirror.wrap(
+            common.compile_model(model), reducer=reducer, devices=devices, **options
+        )
+        common.seconds_per_step(model, x, y, BATCH)  # warm-up: tracing
+        models[name] = lambda model=model, x=x, y=y: common.seconds_per_step(model, x, y, BATCH)
+    in_process = common.interleaved(models, args.rounds)
+    horovod = {
+        name: horovod_step(num_packs, threshold, args.samples, args.rounds)
+        for name, (num_packs, threshold) in HOROVOD.items()
+    }
+    results = {
+        "model": "100 Dense layers of 64 units (202 gradients)",
+        "global_batch": BATCH,
+        "in_process": {"replicas": args.devices, **summarise(in_process)},
+        "horovod": {"processes": 2, **summarise(horovod)},
+        "machine": common.machine(),
+    }
+    packed = in_process["hierarchical_copy, num_packs=1 (default)"]
+    unpacked = in_process["hierarchical_copy, no packing (num_packs=0)"]
+    results["in_process"]["packing_speedup"] = round(unpacked / packed, 4)
+    packed = horovod["horovod, num_packs=1 (default)"]
+    unpacked = horovod["horovod, no packing, no fusion (num_packs=0, threshold 0)"]
+    results["horovod"]["packing_speedup"] = round(unpacked / packed, 4)
+    common.update_results("fusion", results)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
