@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench docs clean
+.PHONY: install demo test lint format bench soak docs clean
 
 install: $(STAMP)
 
@@ -33,6 +33,13 @@ bench: install
 	$(PY) benchmarks/bench_horovod.py
 	$(PY) benchmarks/bench_ring.py
 	$(PY) benchmarks/bench_allreduce.py
+	$(PY) benchmarks/bench_fusion.py
+	$(PY) benchmarks/bench_compression.py
+	$(PY) benchmarks/bench_scaling.py
+	$(PY) benchmarks/report.py
+
+soak: install
+	$(PY) scripts/soak.py
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

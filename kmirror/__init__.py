@@ -12,6 +12,15 @@ from kmirror.model import MirroredModel, wrap
 from kmirror.reducers import REDUCERS
 
 __version__ = "0.1.0"
+"""kmirror's version.
+
+Example:
+
+```python
+import kmirror
+print(kmirror.__version__)
+```
+"""
 
 
 def __getattr__(name):

@@ -1,4 +1,13 @@
-"""Which devices replicas run on, and splitting the host CPU into several without GPUs."""
+"""Which devices replicas run on, and splitting the host CPU into several without GPUs.
+
+Example:
+
+```python
+import kmirror
+kmirror.devices.simulate(2)             # first, before TensorFlow starts; only without GPUs
+print(kmirror.devices.gpu_count(), kmirror.devices.local_devices())
+```
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,22 @@
-"""kmirror's own errors (bad input raises ValueError or TypeError, as Keras does)."""
+"""kmirror's own errors (bad input raises ValueError or TypeError, as Keras does).
+
+Example:
+
+```python
+import kmirror, keras, numpy as np
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model = kmirror.wrap(model)
+try:
+    model.fit(np.random.rand(32, 8), np.random.rand(32, 1), epochs=1)
+except kmirror.errors.PeerLost as lost:     # another process of the job stopped
+    print(lost)                             # it says how to relaunch
+```
+"""
 
 from __future__ import annotations
 
-__all__ = ["PeerLost", "reason"]
+__all__ = ["PeerLost", "NonFiniteLoss", "reason"]
 
 
 class PeerLost(RuntimeError):
@@ -10,6 +24,14 @@ class PeerLost(RuntimeError):
 
     Relaunch every process; with `kmirror.callbacks.BackupAndRestore` training resumes from the
     last completed epoch.
+    """
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The training loss of a global batch became NaN or infinite; every process stopped there.
+
+    Every process sees the same global loss, so all stop at the same step. The model given to
+    `kmirror.wrap` is unchanged; the wrapped model's weights hold the non-finite update.
     """
 
 

@@ -7,9 +7,28 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "check_writable"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".json")
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Raises an OSError naming the fix if files cannot be written into `folder` (which may not
+    exist yet: then its nearest existing parent decides). Creates nothing."""
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"kmirror: cannot write {what} into {folder}: {existing} is a file, not a folder. "
+            "Give a path in a folder that can be written."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"kmirror: cannot write {what} into {folder}: {existing} is not writable by this "
+            "process. Give a path in a folder that can be written."
+        )
 
 
 @contextlib.contextmanager

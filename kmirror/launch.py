@@ -10,6 +10,19 @@ output prefixed with its rank,
 stops the others as soon as one fails, and exits with the worst exit code. `run(fn, n=2)` does the
 same for a Python function and returns each rank's result. Every launch can be bounded by a
 timeout, after which all processes are killed.
+
+Example:
+
+```python
+import kmirror
+
+def rank_and_size():
+    import horovod.tensorflow as hvd
+    hvd.init()
+    return hvd.rank(), hvd.size()
+
+print(kmirror.launch.run(rank_and_size, n=2, timeout=120))   # [(0, 2), (1, 2)]
+```
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ def launch(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     output: TextIO | None = None,
+    port: int | None = None,
 ) -> int:
     """Runs `command` in `n` local processes that form one job; returns the worst exit code.
 
@@ -62,6 +76,9 @@ def launch(
         timeout: seconds after which every process is killed (None: no limit).
         env: extra environment variables for every process.
         output: where the prefixed output goes (default: standard output).
+        port: the loopback port of Horovod's rendezvous server, or of the first worker (the
+            others take the next ones); default: free ports chosen now. A port in use is an
+            error that names it.
 
     Returns:
         0 if every process succeeded; else the exit code of the first that failed (a process
@@ -69,7 +86,7 @@ def launch(
     """
     _check(n, mode)
     output = output or sys.stdout
-    with _job_environment(n, mode) as rank_envs:
+    with _job_environment(n, mode, port) as rank_envs:
         processes = []
         for rank_env in rank_envs:
             process = subprocess.Popen(
@@ -156,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, help="how many multi-worker processes (--mode ring)")
     parser.add_argument("--mode", choices=MODES, default=None, help="default: horovod")
     parser.add_argument("--timeout", type=float, default=None, help="seconds; then kill all")
+    parser.add_argument(
+        "--port", type=int, default=None, help="rendezvous / first worker port (default: free)"
+    )
     parser.add_argument("--call", help=argparse.SUPPRESS)
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
     parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args...]")
@@ -176,8 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     program = list(options.program)
     command = [sys.executable, *program] if program[0].endswith(".py") else program
     try:
-        return launch(command, options.n, mode=options.mode or "horovod", timeout=options.timeout)
-    except ValueError as error:
+        return launch(
+            command,
+            options.n,
+            mode=options.mode or "horovod",
+            timeout=options.timeout,
+            port=options.port,
+        )
+    except (ValueError, OSError) as error:
         parser.error(str(error))
 
 
@@ -190,17 +216,25 @@ def _check(n: int, mode: str) -> None:
 
 
 @contextlib.contextmanager
-def _job_environment(n: int, mode: str) -> Iterator[list[dict[str, str]]]:
+def _job_environment(n: int, mode: str, port: int | None) -> Iterator[list[dict[str, str]]]:
+    if port is not None and (not isinstance(port, int) or not 0 < port + n - 1 < 65536):
+        raise ValueError(f"port must be a whole number from 1 to {65536 - n}; got {port!r}.")
     if mode == "ring":
-        yield _tf_config_environment(n)
+        yield _tf_config_environment(n, port)
         return
-    with _horovod_environment(n) as envs:
+    with _horovod_environment(n, port) as envs:
         yield envs
 
 
-def _tf_config_environment(n: int) -> list[dict[str, str]]:
-    """A TF_CONFIG per worker, naming a free loopback port for each."""
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(n)]
+def _tf_config_environment(n: int, port: int | None) -> list[dict[str, str]]:
+    """A TF_CONFIG per worker, naming a loopback port for each (free ones unless given)."""
+    if port is None:
+        ports = _free_ports(n)
+    else:
+        ports = list(range(port, port + n))
+        for p in ports:
+            _check_free(p)
+    workers = [f"127.0.0.1:{p}" for p in ports]
     return [
         {
             "TF_CONFIG": json.dumps(
@@ -220,14 +254,28 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
+def _check_free(port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise OSError(
+                f"kmirror.launch: port {port} on 127.0.0.1 is in use by another program; pass "
+                "another port (--port), or none to let the launcher pick free ports."
+            ) from None
+
+
 @contextlib.contextmanager
-def _horovod_environment(n: int) -> Iterator[list[dict[str, str]]]:
-    """A Gloo rendezvous server on loopback (a free port) and each rank's Horovod variables."""
+def _horovod_environment(n: int, port: int | None) -> Iterator[list[dict[str, str]]]:
+    """A Gloo rendezvous server on loopback (a free port unless given) and each rank's Horovod
+    variables."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.gloo_run import create_slot_env_vars
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
-    server = RendezvousHTTPServer(("127.0.0.1", 0), RendezvousHandler, 0)
+    if port is not None:
+        _check_free(port)
+    server = RendezvousHTTPServer(("127.0.0.1", port or 0), RendezvousHandler, 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

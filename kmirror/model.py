@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 from typing import Any
 
@@ -18,7 +19,7 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import cluster, reducers, step
+from kmirror import cluster, errors, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -45,12 +46,14 @@ def wrap(
     Example:
 
     ```python
-    import kmirror, keras
-    kmirror.devices.simulate(2)                  # only without GPUs
+    import kmirror
+    kmirror.devices.simulate(2)                   # without GPUs: 2 logical CPU devices
+    import keras, numpy as np
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
+    x, y = np.random.rand(100, 8), np.random.rand(100, 1)
     model = kmirror.wrap(model, reducer="hierarchical_copy")
-    model.fit(x, y, batch_size=64, epochs=3)
+    model.fit(x, y, batch_size=32, epochs=2)      # 32 rows per step in all: 16 per replica
     ```
 
     Args:
@@ -112,8 +115,12 @@ class MirroredModel(keras.Model):
     Example:
 
     ```python
-    model = kmirror.wrap(model, reducer="one_device")
-    model.fit(x, y, batch_size=64, epochs=2)
+    import kmirror, keras, numpy as np
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.random.rand(100, 8), np.random.rand(100, 1)
+    model = kmirror.wrap(model, reducer="one_device")   # a kmirror.MirroredModel
+    model.fit(x, y, batch_size=32, epochs=2)
     print(model.reducer, model.num_replicas, model.devices, model.is_chief)
     plain = model.unwrap()          # a single-device keras.Model with the trained weights
     model.save("trained.keras")     # a plain .keras file; kmirror is not needed to load it
@@ -286,18 +293,27 @@ class MirroredModel(keras.Model):
             if not self._seeded:
                 self._reducer.agree_on_seed()
                 self._seeded = True
-            return super().fit(*args, **self._chief_prints(keras.Model.fit, args, kwargs))
+            arguments = self._chief_prints(keras.Model.fit, args, kwargs)
+            arguments["callbacks"] = [*(arguments.get("callbacks") or []), _StopOnNonFiniteLoss()]
+            return super().fit(**arguments)
 
     def evaluate(self, *args, **kwargs):
         with self._reducer.failures():
-            return super().evaluate(*args, **self._chief_prints(keras.Model.evaluate, args, kwargs))
+            return super().evaluate(**self._chief_prints(keras.Model.evaluate, args, kwargs))
 
     def _chief_prints(self, method, args, kwargs) -> dict:
-        """One progress bar per job: other processes are quiet unless `verbose` was given."""
-        if self.is_chief:
-            return kwargs
-        given = inspect.signature(method).bind(self, *args, **kwargs).arguments
-        return kwargs if "verbose" in given else {**kwargs, "verbose": 0}
+        """The arguments by name; one progress bar per job: other processes are quiet unless
+        `verbose` was given."""
+        signature = inspect.signature(method)
+        given = {}
+        for name, value in signature.bind(self, *args, **kwargs).arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                given.update(value)
+            elif name != "self":
+                given[name] = value
+        if not self.is_chief and "verbose" not in given:
+            given["verbose"] = 0
+        return given
 
     def make_train_function(self, force=False):
         # Keras calls this once per fit, after building: the moment every process takes the
@@ -372,6 +388,30 @@ class MirroredModel(keras.Model):
 
 
 # -- helpers ------------------------------------------------------------------------------------
+class _StopOnNonFiniteLoss(keras.callbacks.Callback):
+    """Stops training with `NonFiniteLoss` at the first step whose global loss is NaN or infinite.
+
+    The loss is the global batch's, the same in every process, so every process stops at the same
+    step (Keras' TerminateOnNaN semantics, with an error that says what to do)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is None or math.isfinite(float(loss)):
+            return
+        self.model.stop_training = True
+        raise errors.NonFiniteLoss(
+            f"kmirror: the training loss became {float(loss)} at epoch {self._epoch + 1}, batch "
+            f"{batch + 1}; every process stopped at this step. Look for NaN or infinite values in "
+            "the data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients "
+            "(e.g. optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the "
+            "last checkpoint. The model passed to kmirror.wrap is unchanged; this wrapped model's "
+            "weights hold the non-finite update."
+        )
+
+
 def _check_step_is_standard(model: keras.Model) -> None:
     if type(model).train_step is not keras.Model.train_step:
         raise ValueError(
@@ -396,7 +436,7 @@ def _clone(model: keras.Model) -> keras.Model:
     try:
         with _uncompiled(model), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return keras.models.clone_model(model)
+            return keras.models.clone_model(model, clone_function=_clone_layer)
     except Exception as error:
         raise TypeError(
             f"kmirror could not recreate the model {model.name!r} ({type(model).__name__}) on the "
@@ -404,6 +444,25 @@ def _clone(model: keras.Model) -> keras.Model:
             "arguments (and from_config if they are not plain values); Sequential and functional "
             "models always work."
         ) from error
+
+
+def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """A new layer configured like `layer`. A Lambda layer keeps its function object: it is the
+    user's own code, in memory, so nothing is deserialised (Keras' safe mode refuses that)."""
+    config = layer.get_config()
+    if isinstance(layer, keras.layers.Lambda):
+        config.pop("function", None)
+        config.pop("output_shape", None)
+        config.pop("mask", None)
+        config.pop("arguments", None)
+        return keras.layers.Lambda(
+            layer.function,
+            output_shape=layer._output_shape,
+            mask=layer.mask,
+            arguments=layer.arguments,
+            **config,
+        )
+    return layer.__class__.from_config(config)
 
 
 def _build_like(clone: keras.Model, model: keras.Model) -> None:

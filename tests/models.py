@@ -115,3 +115,18 @@ def assert_same_history(reference: dict, actual: dict, rtol=1e-5, atol=1e-6):
     assert sorted(reference) == sorted(actual)
     for key in reference:
         np.testing.assert_allclose(actual[key], reference[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+#: 64 rows in batches of 16; row 44 is in batch 3, in the second half of it: the second
+#: replica's (or rank's) rows. One infinite feature makes that replica's loss NaN (a NaN
+#: input would not do: ReLU turns it into 0).
+NAN_ROW, NAN_BATCH = 44, 16
+
+
+def nan_data():
+    """Data whose batch 3 (of 16 rows) makes the second replica's loss NaN."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = rng.integers(0, 3, size=64)
+    x[NAN_ROW, 3] = np.inf
+    return x, y

@@ -1,6 +1,9 @@
 """Bad input gets an error of the right type that names the fix, and leaves the user's model as it
 was and usable."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -120,3 +123,60 @@ def test_simulate_after_tensorflow_started_says_to_call_it_first():
     assert len(kmirror.devices.simulate(7)) == 7, "the same count again is harmless"
     with pytest.raises(ValueError, match="whole number n >= 1"):
         kmirror.devices.simulate(0)
+
+
+def test_a_non_finite_loss_stops_training_and_says_what_to_look_for(model):
+    x, y = dense_data()
+    x[40, 0] = np.inf  # batch 2 of 33 rows
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    with pytest.raises(kmirror.errors.NonFiniteLoss, match="at epoch 1, batch 2") as error:
+        wrapped.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert "np.isfinite(x).all()" in str(error.value) and "clipnorm" in str(error.value)
+
+
+@pytest.mark.parametrize("callback", ["ChiefCheckpoint", "BackupAndRestore"])
+def test_files_into_a_folder_that_cannot_be_written_fail_before_training(model, callback, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    target = {
+        "ChiefCheckpoint": lambda: kmirror.callbacks.ChiefCheckpoint(blocked / "ckpt" / "m.keras"),
+        "BackupAndRestore": lambda: kmirror.callbacks.BackupAndRestore(blocked / "backup"),
+    }[callback]()
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    x, y = dense_data()
+    with pytest.raises(
+        NotADirectoryError, match="is a file, not a folder. Give a path in a folder"
+    ):
+        wrapped.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[target])
+    assert int(wrapped.optimizer.iterations.numpy()) == 0, "no step ran"
+    assert blocked.read_text() == "a file, not a folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked"], "nothing was created"
+
+
+LAUNCHER_MISTAKES = [
+    (["-n", "0", "x.py"], "the number of processes must be a whole number >= 1"),
+    (["-n", "-2", "x.py"], "the number of processes must be a whole number >= 1"),
+    (["--workers", "0", "x.py"], "the number of processes must be a whole number >= 1"),
+    (["--workers", "2", "-n", "2", "x.py"], "do not combine it with -n"),
+    (["-n", "2"], "give the script to run"),
+    (["x.py"], "give the number of processes with -n N"),
+    (["-n", "2", "--port", "70000", "x.py"], "port must be a whole number from 1 to"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", LAUNCHER_MISTAKES)
+def test_launcher_mistakes_are_named(arguments, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "kmirror.launch", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-1000:]
+
+
+def test_launch_run_with_a_bad_count_or_mode_raises_before_starting_anything():
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        kmirror.launch.run(print, n=0)
+    with pytest.raises(ValueError, match="unknown mode 'mpi'; use one of horovod, ring"):
+        kmirror.launch.run(print, n=2, mode="mpi")

@@ -20,7 +20,12 @@ def test_demo_prints_a_row_per_reducer_beside_single_device():
     out = run("examples/demo.py", "--epochs", "2")
     rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
     names = [row.split("|")[1].strip() for row in rows]
-    assert names == ["single device", "one_device", "hierarchical_copy", "auto -> one_device"]
+    assert names == [
+        "single device",
+        "one_device",
+        "hierarchical_copy",
+        "auto -> hierarchical_copy",
+    ]
     for row in rows[1:]:
         assert float(row.split("|")[-2]) < 1e-4, row  # max weight difference to single device
 

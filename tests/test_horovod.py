@@ -209,18 +209,6 @@ def test_without_horovod_installed_the_error_names_the_install():
     assert "make install" in done.stdout and "kmirror[horovod]" in done.stdout
 
 
-@pytest.mark.parametrize("n", ["0", "-2"])
-def test_launcher_refuses_zero_or_negative_processes(n):
-    done = subprocess.run(
-        [PYTHON, "-m", "kmirror.launch", "-n", n, "script.py"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    assert "the number of processes must be a whole number >= 1" in done.stderr
-
-
 def test_horovod_is_not_given_devices():
     with pytest.raises(ValueError, match="do not pass devices="):
         kmirror.wrap(dense_model(), reducer="horovod", devices=["/cpu:0"])

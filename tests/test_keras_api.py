@@ -129,3 +129,22 @@ def test_train_on_batch_and_uncompiled_then_compiled():
         actual = model.train_on_batch(x[rows], y[rows])
         assert actual == pytest.approx(expected, rel=1e-6)
     assert max_weight_difference(reference, model) < 1e-6
+
+
+def test_a_model_with_a_lambda_layer_is_wrapped_and_trains_like_one_device():
+    """The Lambda's function is reused in memory, never deserialised."""
+
+    def model():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((8,))
+        doubled = keras.layers.Lambda(lambda t: 2.0 * t + 1.0, name="affine")(inputs)
+        m = keras.Model(inputs, keras.layers.Dense(3)(doubled))
+        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return m
+
+    x, y = dense_data()
+    single = model()
+    single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    wrapped = kmirror.wrap(model(), "hierarchical_copy", devices=cpus(3))
+    wrapped.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(single, wrapped) < 1e-5

@@ -247,13 +247,3 @@ def test_joining_a_cluster_after_tensorflow_started_says_to_connect_first():
 def test_ring_without_a_cluster_says_how_to_get_one():
     with pytest.raises(ValueError, match="needs a cluster: set TF_CONFIG"):
         kmirror.wrap(dense_model(), reducer="ring", devices=cpus(2))
-
-
-def test_launcher_rejects_workers_with_n():
-    done = subprocess.run(
-        [PYTHON, "-m", "kmirror.launch", "--workers", "2", "-n", "2", "x.py"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "do not combine it with -n" in done.stderr

@@ -29,7 +29,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path, tmp_path):
+def test_notebook_runs_top_to_bottom(path):
     notebook = nbformat.read(path, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
         "store notebooks with their outputs stripped"
@@ -38,7 +38,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
         notebook,
         timeout=180,
         kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
+        resources={"metadata": {"path": str(path.parent)}},  # as opened in Jupyter
     )
     client.execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))

@@ -8,6 +8,21 @@
 
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
 process, so `EarlyStopping` stops every process at the same epoch and `TerminateOnNaN` stops all.
+
+Example:
+
+```python
+import kmirror, keras, numpy as np
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+x, y = np.random.rand(64, 8), np.random.rand(64, 1)
+model = kmirror.wrap(model)
+model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, callbacks=[
+    kmirror.callbacks.ChiefCheckpoint("best.keras", save_best_only=True),
+    kmirror.callbacks.ChiefTensorBoard("logs"),
+    kmirror.callbacks.BackupAndRestore("backup"),
+])
+```
 """
 
 from kmirror.callbacks.backup import BackupAndRestore

@@ -9,7 +9,7 @@ from pathlib import Path
 import keras
 
 from kmirror import cluster
-from kmirror.files import atomic_path
+from kmirror.files import atomic_path, check_writable
 
 __all__ = ["BackupAndRestore"]
 
@@ -56,6 +56,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._index = self.backup_dir / "backup.json"
 
     def on_train_begin(self, logs=None):
+        if cluster.is_chief(self.model):
+            check_writable(self.backup_dir, "backups")
         if not self._index.exists():
             return
         state = json.loads(self._index.read_text())

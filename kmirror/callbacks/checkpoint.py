@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import keras
 from keras.src.utils import io_utils
 
 from kmirror import cluster
-from kmirror.files import atomic_path
+from kmirror.files import atomic_path, check_writable
 
 __all__ = ["ChiefCheckpoint"]
 
@@ -61,6 +63,12 @@ class ChiefCheckpoint(keras.callbacks.ModelCheckpoint):
             save_freq=save_freq,
             initial_value_threshold=initial_value_threshold,
         )
+
+    def on_train_begin(self, logs=None):
+        # Before the first step, not after an epoch of training.
+        folder = os.path.dirname(os.path.abspath(str(self.filepath)))
+        if cluster.is_chief(self.model) and "{" not in folder:
+            check_writable(folder, "checkpoints")
 
     def _save_model(self, epoch, batch, logs):
         filepath = self._get_file_path(epoch, batch, logs)

@@ -7,7 +7,18 @@
 | `"one_device"` | copy to one device, sum, copy back | any devices, one process |
 | `"horovod"` | Horovod's ring all-reduce | one process per device |
 | `"ring"` | TensorFlow's collective ring | several workers |
-| `"auto"` | see `auto()`: Horovod, collective, NCCL or `one_device` by where it runs | |
+| `"auto"` | see `auto()`: Horovod, collective, NCCL or hierarchical copy by where it runs | |
+
+Example:
+
+```python
+import kmirror, keras
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="adam", loss="mse")
+by_name = kmirror.wrap(model, reducer="hierarchical_copy", num_packs=2)
+by_object = kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=2))
+print(kmirror.reducers.auto())          # what reducer="auto" picks in this process
+```
 """
 
 from __future__ import annotations
@@ -44,8 +55,16 @@ __all__ = [
     "get",
 ]
 
-#: Every reducer name `kmirror.wrap` accepts.
 REDUCERS = ("auto", "nccl", "hierarchical_copy", "one_device", "horovod", "ring")
+"""Every reducer name `kmirror.wrap` accepts.
+
+Example:
+
+```python
+import kmirror
+print(kmirror.REDUCERS)   # ('auto', 'nccl', 'hierarchical_copy', 'one_device', 'horovod', 'ring')
+```
+"""
 
 _BY_NAME = {cls.name: cls for cls in (Nccl, HierarchicalCopy, OneDevice, Horovod)}
 
@@ -122,8 +141,9 @@ def _closest(name: str) -> str | None:
 
 
 def auto(devices=None, num_gpus=None) -> str:
-    """Horovod under a Horovod launcher; else what TensorFlow's MirroredStrategy would pick:
-    NCCL on 2+ physical GPUs, else one device."""
+    """Horovod under a Horovod launcher; else NCCL on 2+ physical GPUs; else hierarchical copy,
+    the faster of the two all-reduces that run on CPUs (`make bench`, scaling section; TensorFlow
+    itself would pick one_device)."""
     if launched_by_horovod():
         return "horovod"
     devices = devices_lib.choose(devices, num_gpus)
@@ -131,7 +151,7 @@ def auto(devices=None, num_gpus=None) -> str:
     physical = len(tf.config.list_physical_devices("GPU"))
     if all_gpus and len(devices) >= 2 and physical >= 2 and tf.test.is_built_with_cuda():
         return "nccl"
-    return "one_device"
+    return "hierarchical_copy"
 
 
 def launched_by_horovod() -> bool:

@@ -21,7 +21,11 @@ from kmirror.errors import PeerLost, reason
 from kmirror.reducers import compression as compression_lib
 from kmirror.reducers.base import Reducer, check_num_packs
 
-__all__ = ["Horovod"]
+__all__ = ["Horovod", "PACK_BELOW_BYTES"]
+
+#: Gradients smaller than this are packed together before the all-reduce; larger ones are sent
+#: as they are.
+PACK_BELOW_BYTES = 1024 * 1024
 
 
 def _import_horovod():
@@ -56,10 +60,11 @@ class Horovod(Reducer):
         compression: None, "fp16" or "bf16": the dtype gradients travel in.
         sparse_as_dense: all-reduce sparse gradients (Embedding) as dense tensors instead of
             gathering their rows; faster when most rows are touched.
-        num_packs: how many flat buffers kmirror concatenates the dense gradients into before
-            the all-reduce (per dtype). 0 hands the gradients to Horovod one by one and leaves
-            the packing to Horovod's tensor fusion (`HOROVOD_FUSION_THRESHOLD`), which costs a
-            negotiation per gradient: on models with many small layers, much slower.
+        num_packs: how many flat buffers kmirror concatenates the small dense gradients (under
+            `PACK_BELOW_BYTES`, 1 MiB) into before the all-reduce, per dtype; larger gradients
+            travel as they are. 0 hands every gradient to Horovod by itself and leaves the
+            packing to Horovod's tensor fusion (`HOROVOD_FUSION_THRESHOLD`), which still costs a
+            negotiation per gradient: on models of many small layers, much slower.
     """
 
     name = "horovod"
@@ -230,16 +235,27 @@ def _groups(tensors: list, num_packs: int) -> list[list[int]]:
 
 
 def _packed_sum(hvd, tensors: list, num_packs: int) -> list:
-    """Sums `tensors` over the processes, concatenated into `num_packs` flat buffers per dtype:
-    one fused all-reduce of a few large buffers instead of one negotiation per tensor."""
-    groups = _groups(tensors, num_packs)
+    """Sums `tensors` over the processes in one grouped all-reduce: the small ones concatenated
+    into `num_packs` flat buffers per dtype (one negotiation each instead of one per tensor), the
+    large ones as they are (copying them into a buffer would cost more than it saves)."""
+    small = [i for i, t in enumerate(tensors) if _nbytes(t) < PACK_BELOW_BYTES]
+    large = [i for i in range(len(tensors)) if i not in set(small)]
+    groups = [[small[j] for j in g] for g in _groups([tensors[i] for i in small], num_packs)]
     packs = [tf.concat([tf.reshape(tensors[i], [-1]) for i in g], axis=0) for g in groups]
+    summed = hvd.grouped_allreduce(packs + [tensors[i] for i in large], op=hvd.Sum)
     out = [None] * len(tensors)
-    for total, group in zip(hvd.grouped_allreduce(packs, op=hvd.Sum), groups):
+    for i, total in zip(large, summed[len(packs) :]):
+        out[i] = total
+    for total, group in zip(summed, groups):
         sizes = tf.stack([tf.size(tensors[i]) for i in group])
         for i, part in zip(group, tf.split(total, sizes, num=len(group))):
             out[i] = tf.reshape(part, tf.shape(tensors[i]))
     return out
+
+
+def _nbytes(tensor) -> int:
+    elements = tensor.shape.num_elements()
+    return PACK_BELOW_BYTES if elements is None else elements * tensor.dtype.size
 
 
 def _packed_broadcast(hvd, variables: list) -> None:

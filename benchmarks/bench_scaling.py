@@ -1,0 +1,116 @@
+"""Scaling: samples per second at 1, 2 and 4 replicas for a fixed per-replica batch.
+
+In one process, replicas are `--devices`-many simulated devices (or GPUs where present), with
+each in-process reducer; across processes, Horovod ranks started by kmirror.launch, one thread
+each. The global batch grows with the replicas (per-replica batch times replicas), as it does
+when a job gains devices. On a CPU-only machine the replicas share the same cores, so this shows
+kmirror's cost of replication, not a speed-up; on GPUs it shows the speed-up.
+
+Also records which in-process reducer was fastest at the largest replica count beside the one
+`reducer="auto"` picks on this machine.
+
+Writes `"scaling"` to benchmarks/results.json.
+
+    python benchmarks/bench_scaling.py [--replicas 1 2 4] [--per-replica 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+IN_PROCESS = ("one_device", "hierarchical_copy")
+
+
+def horovod_child(per_replica: int, rounds: int, samples: int, out: str) -> None:
+    import kmirror
+
+    model, x, y = common.model_and_data(samples)
+    model = kmirror.wrap(common.compile_model(model), reducer="horovod")
+    batch = per_replica * model.num_replicas
+    common.seconds_per_step(model, x, y, batch)  # warm-up: tracing
+    step = common.interleaved({"step": lambda: common.seconds_per_step(model, x, y, batch)}, rounds)
+    if model.is_chief:
+        with open(out, "w") as f:
+            json.dump(step, f)
+
+
+def horovod_samples_per_second(n: int, per_replica: int, rounds: int, samples: int) -> float:
+    import kmirror.launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "step.json")
+        command = [sys.executable, __file__, "--horovod-child", out, "--rounds", str(rounds)]
+        command += ["--per-replica", str(per_replica), "--samples", str(samples)]
+        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+        with open(os.devnull, "w") as quiet:
+            code = kmirror.launch.launch(command, n=n, timeout=900, env=env, output=quiet)
+        if code != 0:
+            raise SystemExit(f"the horovod scaling job of {n} failed with exit code {code}")
+        with open(out) as f:
+            return per_replica * n / json.load(f)["step"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--per-replica", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.horovod_child:
+        return horovod_child(args.per_replica, args.rounds, args.samples, args.horovod_child)
+
+    import kmirror
+
+    gpus = kmirror.devices.gpu_count()
+    devices = kmirror.devices.gpus() if gpus else kmirror.devices.simulate(max(args.replicas))
+    reducers = IN_PROCESS + (("nccl",) if gpus >= 2 else ())
+    counts = [n for n in args.replicas if n <= len(devices)]
+    runs = {}
+    for reducer in reducers:
+        for n in counts:
+            if n == 1 and reducer != reducers[0]:
+                continue  # one replica: no reduction, the same for every reducer
+            model, x, y = common.model_and_data(args.samples)
+            name = "single device" if n == 1 else reducer
+            model = kmirror.wrap(common.compile_model(model), reducer, devices=devices[:n])
+            batch = args.per_replica * n
+            common.seconds_per_step(model, x, y, batch)  # warm-up: tracing
+            runs[(name, n)] = lambda m=model, x=x, y=y, b=batch: common.seconds_per_step(m, x, y, b)
+    medians = common.interleaved(runs, args.rounds)
+    in_process: dict = {}
+    for (name, n), seconds in medians.items():
+        in_process.setdefault(name, {})[str(n)] = round(args.per_replica * n / seconds, 1)
+    horovod = {
+        str(n): round(horovod_samples_per_second(n, args.per_replica, args.rounds, args.samples), 1)
+        for n in args.replicas
+    }
+    largest = str(max(counts))
+    fastest = max(reducers, key=lambda r: in_process[r].get(largest, 0.0))
+    results = {
+        "per_replica_batch": args.per_replica,
+        "devices": "GPU" if gpus else "simulated CPU devices (sharing the cores)",
+        "samples_per_second": {"in_process": in_process, "horovod": horovod},
+        "auto": {
+            "replicas": int(largest),
+            "fastest_in_process": fastest,
+            "auto_picks": kmirror.reducers.auto(devices[: int(largest)]),
+        },
+        "machine": common.machine(),
+    }
+    common.update_results("scaling", results)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

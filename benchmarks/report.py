@@ -1,0 +1,206 @@
+"""Turns benchmarks/results.json into PNG plots and markdown tables in docs/benchmarks.md.
+
+The tables go between the `<!-- results -->` and `<!-- /results -->` markers of
+docs/benchmarks.md (the text around them is kept) and also into benchmarks/results.md; the plots
+into docs/img/benchmarks/.
+
+    python benchmarks/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+PAGE = ROOT / "docs" / "benchmarks.md"
+PLOTS = ROOT / "docs" / "img" / "benchmarks"
+START, END = "<!-- results -->", "<!-- /results -->"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def size_label(size: int) -> str:
+    return f"{size // 1024} KiB" if size < 1024 * 1024 else f"{size // (1024 * 1024)} MiB"
+
+
+def overhead(results: dict) -> str:
+    ratios, details = results["wrapper_overhead"], results.get("wrapper_overhead_details", {})
+    memory = results.get("wrapper_peak_memory", {})
+    rows = []
+    for reducer, ratio in ratios.items():
+        d = details.get(reducer, {})
+        times = ", ".join(
+            f"{k.removesuffix('_ms_per_step')} {v} ms"
+            for k, v in d.items()
+            if k.endswith("_ms_per_step")
+        )
+        rows.append([reducer, f"{ratio:.3f}", memory.get(reducer, ""), times])
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.bar(list(ratios), list(ratios.values()), color="tab:blue")
+    ax.axhline(1.0, color="gray", linestyle=":")
+    ax.axhline(1.05, color="tab:red", linestyle="--", label="1.05")
+    ax.set(ylabel="kmirror time / native time", title="Wrapper overhead per step")
+    ax.legend()
+    save(fig, "overhead.png")
+    return (
+        "### Wrapper overhead\n\n"
+        + table(["reducer", "time ratio", "peak memory ratio", "median time per step"], rows)
+        + "\n\n![wrapper overhead](img/benchmarks/overhead.png)\n"
+    )
+
+
+def allreduce(results: dict) -> str:
+    section = results["allreduce_throughput"]
+    copy = section["memory_copy_GBps"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = []
+    for name, reducer in section["reducers"].items():
+        sizes = [r["bytes"] for r in reducer["rows"]]
+        ax.plot(sizes, [r["busbw_GBps"] for r in reducer["rows"]], "o-", label=name)
+        for r in reducer["rows"]:
+            rows.append([name, size_label(r["bytes"]), r["us"], r["algbw_GBps"], r["busbw_GBps"]])
+    ax.axhline(copy, color="black", linestyle="--", label=f"memory copy {copy} GB/s")
+    ax.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="bus bandwidth (GB/s)")
+    ax.set_title("All-reduce bus bandwidth on 2 replicas")
+    ax.legend()
+    save(fig, "allreduce.png")
+    return (
+        f"### All-reduce throughput\n\nMemory-copy bandwidth of this machine: **{copy} GB/s**.\n\n"
+        + table(["reducer", "message", "time (us)", "algbw GB/s", "busbw GB/s"], rows)
+        + "\n\n![all-reduce bus bandwidth](img/benchmarks/allreduce.png)\n"
+    )
+
+
+def fusion(results: dict) -> str:
+    section = results["fusion"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    text, rows = [], []
+    for ax, key in zip(axes, ("in_process", "horovod")):
+        part = section[key]
+        names = list(part["ms_per_step"])
+        ax.barh(names, [part["ms_per_step"][n] for n in names], color="tab:green")
+        ax.set(xlabel="ms per step", title=key.replace("_", "-"))
+        for name in names:
+            rows.append([key.replace("_", "-"), name, part["ms_per_step"][name]])
+        for name, ratio in part["default_vs_best"].items():
+            text.append(f"- {key.replace('_', '-')}: default `{name}` at {ratio:.3f}x the best")
+        text.append(
+            f"- {key.replace('_', '-')}: packing gains {part['packing_speedup']:.2f}x over none"
+        )
+    fig.suptitle(section["model"])
+    save(fig, "fusion.png")
+    return (
+        f"### Gradient fusion ({section['model']}, global batch {section['global_batch']})\n\n"
+        + table(["where", "setting", "ms per step"], rows)
+        + "\n\n"
+        + "\n".join(text)
+        + "\n\n![fusion](img/benchmarks/fusion.png)\n"
+    )
+
+
+def compression(results: dict) -> str:
+    section = results["compression"]
+    names = list(section["ms_per_step"])
+    rows = [
+        [
+            n,
+            section["ms_per_step"][n],
+            section["time_vs_fp32"][n],
+            section["final_loss"][n],
+            section["final_loss_vs_fp32"][n],
+        ]
+        for n in names
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    axes[0].bar(names, [section["ms_per_step"][n] for n in names], color="tab:orange")
+    axes[0].set(ylabel="ms per step", title="time")
+    axes[1].bar(names, [section["final_loss"][n] for n in names], color="tab:purple")
+    axes[1].set(ylabel="final loss", title=section["loss_model"])
+    save(fig, "compression.png")
+    return (
+        f"### Compression (Horovod, {section['processes']} processes)\n\n"
+        + table(["compression", "ms per step", "time vs fp32", "final loss", "loss vs fp32"], rows)
+        + "\n\n![compression](img/benchmarks/compression.png)\n"
+    )
+
+
+def scaling(results: dict) -> str:
+    section = results["scaling"]
+    measured = section["samples_per_second"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = []
+    for name, by_count in measured["in_process"].items():
+        counts = sorted(by_count, key=int)
+        ax.plot([int(c) for c in counts], [by_count[c] for c in counts], "o-", label=name)
+        rows += [["in-process", name, c, by_count[c]] for c in counts]
+    horovod = measured["horovod"]
+    counts = sorted(horovod, key=int)
+    ax.plot([int(c) for c in counts], [horovod[c] for c in counts], "s--", label="horovod")
+    rows += [["multi-process", "horovod", c, horovod[c]] for c in counts]
+    ax.set(xlabel="replicas", ylabel="samples / s", xticks=[int(c) for c in counts])
+    ax.set_title(f"per-replica batch {section['per_replica_batch']}, {section['devices']}")
+    ax.legend()
+    save(fig, "scaling.png")
+    auto = section["auto"]
+    return (
+        "### Scaling\n\n"
+        + table(["where", "reducer", "replicas", "samples/s"], rows)
+        + f"\n\nFastest in-process reducer at {auto['replicas']} replicas: "
+        f'`{auto["fastest_in_process"]}`; `reducer="auto"` picks `{auto["auto_picks"]}` here.'
+        + "\n\n![scaling](img/benchmarks/scaling.png)\n"
+    )
+
+
+def save(fig, name: str) -> None:
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(PLOTS / name, dpi=90)
+    plt.close(fig)
+
+
+def main():
+    results = json.loads(RESULTS.read_text())
+    machine = results["wrapper_overhead_details"].get("machine", {})
+    parts = [
+        "Measured on: "
+        + ", ".join(f"{k} {v}" for k, v in machine.items())
+        + " (benchmarks/results.json holds every number).\n"
+    ]
+    for section, render in (
+        ("wrapper_overhead", overhead),
+        ("allreduce_throughput", allreduce),
+        ("fusion", fusion),
+        ("compression", compression),
+        ("scaling", scaling),
+    ):
+        if section in results:
+            parts.append(render(results))
+        else:
+            parts.append(f"### {section}\n\nNot measured yet: run `make bench`.\n")
+    body = "\n".join(parts)
+    (ROOT / "benchmarks" / "results.md").write_text(body)
+    page = PAGE.read_text()
+    page = re.sub(
+        re.escape(START) + ".*?" + re.escape(END),
+        lambda _: f"{START}\n{body}\n{END}",
+        page,
+        flags=re.DOTALL,
+    )
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)}, benchmarks/results.md and {PLOTS.relative_to(ROOT)}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Faults: a NaN on one replica's rows stops every process at the same step; the launcher's ports.
+
+Every case is bounded by a timeout. (The other fault cases live beside the features they break:
+a killed rank or worker in test_horovod.py / test_multi_worker.py, a process killed while writing a
+checkpoint and a relaunch with BackupAndRestore in test_callbacks.py; docs/reliability.md lists
+them all.)
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cpus
+from models import NAN_BATCH as BATCH
+from models import dense_model, nan_data
+
+import kmirror
+
+HERE = Path(__file__).parent
+TIMEOUT = 240
+
+
+def test_nan_on_one_replicas_rows_stops_training_at_that_step():
+    x, y = nan_data()
+    model = kmirror.wrap(dense_model("sgd"), "hierarchical_copy", devices=cpus(2))
+    with pytest.raises(kmirror.errors.NonFiniteLoss, match="became nan at epoch 1, batch 3"):
+        model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 3, "stopped at the step it happened"
+
+
+NAN_JOB = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import kmirror
+from models import NAN_BATCH as BATCH
+from models import dense_model, nan_data
+from models import NAN_BATCH as BATCH, nan_data
+x, y = nan_data()
+model = kmirror.wrap(dense_model("sgd"), reducer={reducer!r})
+try:
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+except kmirror.errors.NonFiniteLoss as error:
+    print("STOPPED after", int(model.optimizer.iterations.numpy()), "steps:", error, flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("mode, reducer", [("horovod", "horovod"), ("ring", "ring")])
+def test_nan_on_one_ranks_rows_stops_every_process_together(mode, reducer, tmp_path):
+    script = tmp_path / "nan_job.py"
+    header = "import kmirror\nkmirror.cluster.connect()\n" if mode == "ring" else ""
+    script.write_text(header + NAN_JOB.format(tests=str(HERE), reducer=reducer))
+    launcher = [sys.executable, "-m", "kmirror.launch", "-n", "2", "--mode", mode]
+    done = subprocess.run(
+        [*launcher, "--timeout", "180", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"[{rank}] STOPPED after 3 steps: kmirror: the training loss became nan" in done.stdout
+        )
+
+
+def occupied_port():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder, holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["horovod", "ring"])
+def test_a_port_in_use_is_named_and_a_free_one_is_picked_otherwise(mode):
+    holder, port = occupied_port()
+    show = [sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]
+    with holder:
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is in use.*--port"):
+            kmirror.launch.launch(show, n=2, mode=mode, port=port, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kmirror.launch",
+                "-n",
+                "2",
+                "--mode",
+                mode,
+                "--port",
+                str(port),
+                "--timeout",
+                "60",
+                *show,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert done.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in done.stderr
+        # Without a port the launcher picks free ones, on loopback only.
+        code, lines = run_capturing(show, mode)
+    assert code == 0
+    environments = [json.loads(line.split("] ", 1)[1]) for line in lines]
+    assert len(environments) == 2
+    for environment in environments:
+        if mode == "horovod":
+            assert environment["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
+            assert int(environment["HOROVOD_GLOO_RENDEZVOUS_PORT"]) != port
+        else:
+            workers = json.loads(environment["TF_CONFIG"])["cluster"]["worker"]
+            assert all(w.startswith("127.0.0.1:") for w in workers)
+            assert str(port) not in [w.split(":")[1] for w in workers]
+
+
+def run_capturing(command, mode):
+    import io
+
+    output = io.StringIO()
+    code = kmirror.launch.launch(command, n=2, mode=mode, timeout=60, output=output)
+    return code, [line for line in output.getvalue().splitlines() if line.endswith("}")]
