@@ -71,3 +71,47 @@ def test_every_documented_page_is_in_the_navigation():
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     listed = set(re.findall(r":\s*([\w-]+\.md)", nav))
     assert pages == listed
+
+
+#: Bad inputs tested beside the features that need a cluster or a Horovod job.
+BAD_INPUT_ELSEWHERE = [
+    "tests/test_multi_worker.py::test_cluster_spec_mistakes_are_named",
+    "tests/test_multi_worker.py::test_devices_together_with_a_cluster_spec",
+    "tests/test_multi_worker.py::test_in_process_reducers_across_workers_are_refused",
+    "tests/test_multi_worker.py::test_joining_a_cluster_after_tensorflow_started_says_to_connect_first",
+    "tests/test_multi_worker.py::test_ring_without_a_cluster_says_how_to_get_one",
+    "tests/test_multi_worker.py::test_workers_with_different_device_counts_fail_clearly_without_hanging",
+    "tests/test_horovod.py::test_without_a_launcher_it_trains_as_one_replica_and_says_so",
+    "tests/test_horovod.py::test_without_horovod_installed_the_error_names_the_install",
+    "tests/test_horovod.py::test_horovod_is_not_given_devices",
+]
+#: Every fault case (the table of docs/reliability.md).
+FAULTS = [
+    "tests/test_faults.py",
+    "tests/test_horovod.py::test_a_killed_rank_stops_the_other_with_a_message",
+    "tests/test_multi_worker.py::test_a_killed_worker_makes_the_other_fail_with_a_message",
+    "tests/test_callbacks.py::test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable",
+    "tests/test_callbacks.py::test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run",
+]
+
+
+def collected(selectors: list[str]) -> int:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *selectors],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    return sum("::" in line for line in done.stdout.splitlines())
+
+
+def test_the_reliability_page_counts_what_the_tests_cover():
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    bad = re.search(r"covers \*\*(\d+) bad inputs\*\*.*?suites (\d+) more", page, re.DOTALL)
+    faults = re.search(r"(\d+) fault cases, with nothing lost", page)
+    assert bad and faults, "docs/reliability.md states the counts"
+    assert int(bad.group(1)) == collected(["tests/test_bad_input.py"])
+    assert int(bad.group(2)) == collected(BAD_INPUT_ELSEWHERE)
+    assert int(faults.group(1)) == collected(FAULTS)
