@@ -13,7 +13,7 @@ same model and global batch with:
 and marks kmirror's defaults, so that each default can be checked against the best measured.
 Writes `"fusion"` to benchmarks/results.json.
 
-    python benchmarks/bench_fusion.py [--devices 2] [--rounds 5] [--samples 4096]
+    python benchmarks/bench_fusion.py [--devices 2] [--rounds 7] [--samples 8192]
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def summarise(times: dict[str, float]) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--samples", type=int, default=8192)
     parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
     parser.add_argument("--num-packs", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()

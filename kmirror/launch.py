@@ -217,7 +217,7 @@ def _check(n: int, mode: str) -> None:
 
 @contextlib.contextmanager
 def _job_environment(n: int, mode: str, port: int | None) -> Iterator[list[dict[str, str]]]:
-    if port is not None and (not isinstance(port, int) or not 0 < port + n - 1 < 65536):
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65536 - n):
         raise ValueError(f"port must be a whole number from 1 to {65536 - n}; got {port!r}.")
     if mode == "ring":
         yield _tf_config_environment(n, port)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import warnings
 from typing import Any
 
@@ -244,6 +243,8 @@ class MirroredModel(keras.Model):
         loss, y_pred = step.train(
             self._replica, self._reducer, data, jit_compile=self._replica_jit_compile
         )
+        # The global loss is the same in every process: all stop at the same step.
+        loss = tf.debugging.check_numerics(loss, _NON_FINITE)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         self._samples_seen.assign_add(tf.cast(step.batch_size(x), tf.int64))
         return self._record(data, loss, y_pred)
@@ -294,8 +295,14 @@ class MirroredModel(keras.Model):
                 self._reducer.agree_on_seed()
                 self._seeded = True
             arguments = self._chief_prints(keras.Model.fit, args, kwargs)
-            arguments["callbacks"] = [*(arguments.get("callbacks") or []), _StopOnNonFiniteLoss()]
-            return super().fit(**arguments)
+            position = _Position()
+            arguments["callbacks"] = [*(arguments.get("callbacks") or []), position]
+            try:
+                return super().fit(**arguments)
+            except tf.errors.InvalidArgumentError as error:
+                if _NON_FINITE not in str(error):
+                    raise
+                raise errors.NonFiniteLoss(position.describe_non_finite()) from None
 
     def evaluate(self, *args, **kwargs):
         with self._reducer.failures():
@@ -388,28 +395,31 @@ class MirroredModel(keras.Model):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-class _StopOnNonFiniteLoss(keras.callbacks.Callback):
-    """Stops training with `NonFiniteLoss` at the first step whose global loss is NaN or infinite.
+#: The marker of the training step's check that the global loss is finite.
+_NON_FINITE = "kmirror: the global loss is not finite"
 
-    The loss is the global batch's, the same in every process, so every process stops at the same
-    step (Keras' TerminateOnNaN semantics, with an error that says what to do)."""
+
+class _Position(keras.callbacks.Callback):
+    """Where training is, for the message of `NonFiniteLoss` (epoch hooks only: Keras still
+    dispatches the batch hooks without waiting for the step's logs)."""
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self.epoch, self.first_step = epoch, _steps(self.model)
 
-    def on_train_batch_end(self, batch, logs=None):
-        loss = (logs or {}).get("loss")
-        if loss is None or math.isfinite(float(loss)):
-            return
-        self.model.stop_training = True
-        raise errors.NonFiniteLoss(
-            f"kmirror: the training loss became {float(loss)} at epoch {self._epoch + 1}, batch "
-            f"{batch + 1}; every process stopped at this step. Look for NaN or infinite values in "
-            "the data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients "
-            "(e.g. optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the "
-            "last checkpoint. The model passed to kmirror.wrap is unchanged; this wrapped model's "
+    def describe_non_finite(self) -> str:
+        batch = _steps(self.model) - self.first_step  # the failed step's update was applied
+        return (
+            f"kmirror: the training loss became NaN or infinite at epoch {self.epoch + 1}, batch "
+            f"{batch}; every process stopped at this step. Look for NaN or infinite values in the "
+            "data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients (e.g. "
+            "optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the last "
+            "checkpoint. The model passed to kmirror.wrap is unchanged; this wrapped model's "
             "weights hold the non-finite update."
         )
+
+
+def _steps(model) -> int:
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
 
 
 def _check_step_is_standard(model: keras.Model) -> None:

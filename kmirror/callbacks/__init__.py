@@ -7,7 +7,8 @@
 | `BackupAndRestore` | resume after a crash from the last completed epoch |
 
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
-process, so `EarlyStopping` stops every process at the same epoch and `TerminateOnNaN` stops all.
+process, so `EarlyStopping` stops every process at the same epoch. A NaN or infinite loss stops
+every process at the same step with `kmirror.errors.NonFiniteLoss`.
 
 Example:
 

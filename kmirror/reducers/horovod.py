@@ -240,7 +240,7 @@ def _packed_sum(hvd, tensors: list, num_packs: int) -> list:
     into `num_packs` flat buffers per dtype (one negotiation each instead of one per tensor), the
     large ones as they are (copying them into a buffer would cost more than it saves)."""
     small = [i for i, t in enumerate(tensors) if _nbytes(t) < PACK_BELOW_BYTES]
-    large = [i for i in range(len(tensors)) if i not in set(small)]
+    large = sorted(set(range(len(tensors))) - set(small))
     groups = [[small[j] for j in g] for g in _groups([tensors[i] for i in small], num_packs)]
     packs = [tf.concat([tf.reshape(tensors[i], [-1]) for i in g], axis=0) for g in groups]
     summed = hvd.grouped_allreduce(packs + [tensors[i] for i in large], op=hvd.Sum)
