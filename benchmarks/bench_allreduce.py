@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -117,10 +116,10 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.horovod_child:
-        return horovod_child(args.max_mib, args.repeats, args.horovod_child)
+    if args.child:
+        return horovod_child(args.max_mib, args.repeats, args.child)
 
     import kmirror
 
@@ -131,25 +130,9 @@ def main():
             "replicas": args.devices,
             "rows": in_process(name, args.devices, args.max_mib, args.repeats),
         }
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "rows.json")
-        command = [
-            sys.executable,
-            __file__,
-            "--horovod-child",
-            out,
-            "--max-mib",
-            str(args.max_mib),
-            "--repeats",
-            str(args.repeats),
-        ]
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(command, n=2, timeout=900, output=quiet)
-        if code == 0:
-            with open(out) as f:
-                table["reducers"]["horovod"] = {"replicas": 2, "rows": json.load(f)}
-        else:
-            print(f"horovod all-reduce job failed with exit code {code}; row left out")
+    arguments = ["--max-mib", str(args.max_mib), "--repeats", str(args.repeats)]
+    rows = common.run_job(__file__, arguments, one_core=False)
+    table["reducers"]["horovod"] = {"replicas": 2, "rows": rows}
     table["machine"] = common.machine()
     common.update_results("allreduce_throughput", table)
 

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,19 +69,8 @@ def main():
     if args.child:
         return child(args.samples, args.rounds, args.epochs, args.child)
 
-    import kmirror.launch
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "compression.json")
-        command = [sys.executable, __file__, "--child", out, "--samples", str(args.samples)]
-        command += ["--rounds", str(args.rounds), "--epochs", str(args.epochs)]
-        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(command, n=2, timeout=900, env=env, output=quiet)
-        if code != 0:
-            raise SystemExit(f"the compression job failed with exit code {code}")
-        with open(out) as f:
-            measured = json.load(f)
+    arguments = ["--samples", str(args.samples), "--rounds", str(args.rounds)]
+    measured = common.run_job(__file__, [*arguments, "--epochs", str(args.epochs)])
     seconds, losses = measured["seconds"], measured["losses"]
     results = {
         "processes": 2,

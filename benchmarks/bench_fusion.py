@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +35,7 @@ IN_PROCESS = {
     "hierarchical_copy, num_packs=1 (default)": ("hierarchical_copy", {}),
     "hierarchical_copy, num_packs=2": ("hierarchical_copy", {"num_packs": 2}),
     "hierarchical_copy, num_packs=4": ("hierarchical_copy", {"num_packs": 4}),
-    "one_device (default)": ("one_device", {}),
+    "one_device (no packing option)": ("one_device", {}),
 }
 #: Horovod settings: name -> (num_packs, HOROVOD_FUSION_THRESHOLD or None for Horovod's default).
 HOROVOD = {
@@ -62,21 +61,14 @@ def horovod_child(samples: int, rounds: int, num_packs: int, out: str) -> None:
 
 
 def horovod_step(num_packs: int, threshold: str | None, samples: int, rounds: int) -> float:
-    import kmirror.launch
-
-    env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+    # Horovod reads its fusion threshold from the environment when it starts.
     if threshold is not None:
-        env["HOROVOD_FUSION_THRESHOLD"] = threshold
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "median.json")
-        command = [sys.executable, __file__, "--horovod-child", out, "--samples", str(samples)]
-        command += ["--rounds", str(rounds), "--num-packs", str(num_packs)]
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(command, n=2, timeout=900, env=env, output=quiet)
-        if code != 0:
-            raise SystemExit(f"the horovod fusion job failed with exit code {code}")
-        with open(out) as f:
-            return json.load(f)["step"]
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
+    try:
+        arguments = ["--samples", str(samples), "--rounds", str(rounds)]
+        return common.run_job(__file__, [*arguments, "--num-packs", str(num_packs)])["step"]
+    finally:
+        os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
 
 
 def summarise(times: dict[str, float]) -> dict:
@@ -92,11 +84,11 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--num-packs", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.horovod_child:
-        return horovod_child(args.samples, args.rounds, args.num_packs, args.horovod_child)
+    if args.child:
+        return horovod_child(args.samples, args.rounds, args.num_packs, args.child)
 
     import kmirror
 

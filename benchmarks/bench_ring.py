@@ -94,7 +94,8 @@ def main():
     if args.child:
         return child(args.samples, args.rounds, args.child)
 
-    medians = common.run_job(__file__, "ring", args.rounds, args.samples)
+    arguments = ["--rounds", str(args.rounds), "--samples", str(args.samples)]
+    medians = common.run_job(__file__, arguments, mode="ring")
     common.record_overhead("ring", medians, "handwritten", workers=2)
 
 

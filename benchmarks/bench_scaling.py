@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,19 +43,9 @@ def horovod_child(per_replica: int, rounds: int, samples: int, out: str) -> None
 
 
 def horovod_samples_per_second(n: int, per_replica: int, rounds: int, samples: int) -> float:
-    import kmirror.launch
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "step.json")
-        command = [sys.executable, __file__, "--horovod-child", out, "--rounds", str(rounds)]
-        command += ["--per-replica", str(per_replica), "--samples", str(samples)]
-        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-        with open(os.devnull, "w") as quiet:
-            code = kmirror.launch.launch(command, n=n, timeout=900, env=env, output=quiet)
-        if code != 0:
-            raise SystemExit(f"the horovod scaling job of {n} failed with exit code {code}")
-        with open(out) as f:
-            return per_replica * n / json.load(f)["step"]
+    arguments = ["--rounds", str(rounds), "--per-replica", str(per_replica)]
+    step = common.run_job(__file__, [*arguments, "--samples", str(samples)], n=n)["step"]
+    return per_replica * n / step
 
 
 def main():
@@ -65,10 +54,10 @@ def main():
     parser.add_argument("--per-replica", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--horovod-child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.horovod_child:
-        return horovod_child(args.per_replica, args.rounds, args.samples, args.horovod_child)
+    if args.child:
+        return horovod_child(args.per_replica, args.rounds, args.samples, args.child)
 
     import kmirror
 

@@ -106,32 +106,27 @@ def update_results(section: str, values) -> None:
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
 
-def run_job(script: str, mode: str, rounds: int, samples: int) -> dict[str, float]:
-    """Runs `script --child OUT` as a 2-process job, one core each; returns the medians written."""
+def run_job(
+    script: str, arguments: list[str], n: int = 2, mode: str = "horovod", one_core: bool = True
+):
+    """Runs `script --child OUT arguments...` as an `n`-process job; returns the JSON written to
+    OUT (by the chief). With `one_core`, each process uses one thread, as one core each."""
     import sys
     import tempfile
 
     import kmirror.launch
 
     with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "medians.json")
-        command = [
-            sys.executable,
-            script,
-            "--child",
-            out,
-            "--rounds",
-            str(rounds),
-            "--samples",
-            str(samples),
-        ]
-        one_core = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
+        out = os.path.join(folder, "out.json")
+        command = [sys.executable, script, "--child", out, *arguments]
+        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if one_core else {}
         with open(os.devnull, "w") as quiet:
             code = kmirror.launch.launch(
-                command, n=2, mode=mode, timeout=900, env=one_core, output=quiet
+                command, n=n, mode=mode, timeout=900, env=env, output=quiet
             )
         if code != 0:
-            raise SystemExit(f"the benchmark job failed with exit code {code}")
+            name = os.path.basename(script)
+            raise SystemExit(f"the {name} job of {n} processes failed with exit code {code}")
         with open(out) as f:
             return json.load(f)
 

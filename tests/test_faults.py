@@ -66,8 +66,8 @@ def test_nan_on_one_ranks_rows_stops_every_process_together(mode, reducer, tmp_p
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         assert (
-            f"[{rank}] STOPPED after 3 steps: kmirror: the training loss became NaN or infinite at epoch 1, batch 3"
-            in done.stdout
+            f"[{rank}] STOPPED after 3 steps: kmirror: the training loss became NaN or infinite "
+            "at epoch 1, batch 3" in done.stdout
         )
 
 
