@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 import warnings
 from typing import Any
 
@@ -18,7 +19,7 @@ import keras
 import tensorflow as tf
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import cluster, errors, reducers, step
+from kmirror import cluster, errors, files, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -133,6 +134,9 @@ class MirroredModel(keras.Model):
         self._user_compile: dict[str, Any] | None = None
         self._synchronized = False  # every process has the chief's weights for this fit
         self._seeded = False  # every process draws the same random numbers
+        # The plain model `save` writes (see _plain_copy), held where Keras does not track it as
+        # a layer of this model.
+        self._for_saving = types.SimpleNamespace(model=None)
         self._replica = _replicate(model, reducer)
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
         if hasattr(self._replica, "output_names"):
@@ -213,6 +217,8 @@ class MirroredModel(keras.Model):
             jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss,
         )
+        if hasattr(self, "_for_saving"):
+            self._for_saving.model = None  # saved with the new compile settings from now on
         if jit_compile == "auto":
             jit_compile = not run_eagerly and self._replica._resolve_auto_jit_compile()
         self._replica_jit_compile = bool(jit_compile) and not run_eagerly
@@ -373,10 +379,25 @@ class MirroredModel(keras.Model):
 
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
         """Saves the model as a plain Keras file (`.keras`), loadable without kmirror."""
-        return self.unwrap().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+        files.keep_keras_saving_cache()
+        return self._plain_copy().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
+
+    def _plain_copy(self) -> keras.Model:
+        """`unwrap()`'s model, made once and brought up to date at each call: a checkpoint
+        every epoch must not build a new model every epoch (each leaves memory behind)."""
+        plain = self._for_saving.model
+        if plain is None or plain.built != self._replica.built:
+            self._for_saving.model = self.unwrap()
+            return self._for_saving.model
+        if plain.built:
+            plain.set_weights(self._replica.get_weights())
+            if plain.optimizer is not None and plain.optimizer.built:
+                _copy_optimizer_state(self.optimizer, plain.optimizer)
+        return plain
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original model would, so the file fits it as well."""
+        files.keep_keras_saving_cache()
         return self._replica.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):

@@ -148,3 +148,31 @@ def test_a_model_with_a_lambda_layer_is_wrapped_and_trains_like_one_device():
     wrapped = kmirror.wrap(model(), "hierarchical_copy", devices=cpus(3))
     wrapped.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(single, wrapped) < 1e-5
+
+
+def test_saving_every_epoch_builds_nothing_new(monkeypatch, tmp_path):
+    """Each save after the first reuses the plain model and Keras' cache of attributes to skip:
+    without that, every checkpoint built reference layers and an optimizer again, and a long run
+    grew by tens of KiB per epoch (make soak)."""
+    x, y = dense_data()
+    wrapped = kmirror.wrap(dense_model(), devices=cpus(2))
+    wrapped.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    wrapped.save(tmp_path / "first.keras")
+    wrapped.save_weights(tmp_path / "first.weights.h5")
+    built = []
+    layer_init = keras.layers.Layer.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        layer_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.layers.Layer, "__init__", counting)
+    for _ in range(3):
+        wrapped.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        wrapped.save(tmp_path / "model.keras")
+        wrapped.save_weights(tmp_path / "model.weights.h5")
+    assert built == [], f"saving built {built}"
+    reloaded = keras.models.load_model(tmp_path / "model.keras")
+    for a, b in zip(reloaded.get_weights(), wrapped.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(reloaded.optimizer.iterations.numpy()) == int(wrapped.optimizer.iterations.numpy())
