@@ -17,6 +17,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.models.functional import Functional
 from keras.src.trainers.epoch_iterator import EpochIterator
 
 from kmirror import cluster, errors, files, reducers, step
@@ -467,7 +468,7 @@ def _clone(model: keras.Model) -> keras.Model:
     try:
         with _uncompiled(model), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return keras.models.clone_model(model, clone_function=_clone_layer)
+            return keras.models.clone_model(model, **_lambda_cloning(model))
     except Exception as error:
         raise TypeError(
             f"kmirror could not recreate the model {model.name!r} ({type(model).__name__}) on the "
@@ -477,15 +478,21 @@ def _clone(model: keras.Model) -> keras.Model:
         ) from error
 
 
+def _lambda_cloning(model: keras.Model) -> dict:
+    """`clone_model`'s options for a Sequential or functional model with Lambda layers (Keras
+    would deserialise their functions, which its safe mode refuses); none for other models."""
+    graph = isinstance(model, keras.Sequential) or type(model) is Functional
+    lambdas = any(isinstance(layer, keras.layers.Lambda) for layer in getattr(model, "layers", []))
+    return {"clone_function": _clone_layer} if graph and lambdas else {}
+
+
 def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
     """A new layer configured like `layer`. A Lambda layer keeps its function object: it is the
-    user's own code, in memory, so nothing is deserialised (Keras' safe mode refuses that)."""
+    user's own code, in memory, so nothing is deserialised."""
     config = layer.get_config()
     if isinstance(layer, keras.layers.Lambda):
-        config.pop("function", None)
-        config.pop("output_shape", None)
-        config.pop("mask", None)
-        config.pop("arguments", None)
+        for given in ("function", "output_shape", "mask", "arguments"):
+            config.pop(given, None)
         return keras.layers.Lambda(
             layer.function,
             output_shape=layer._output_shape,
