@@ -226,7 +226,7 @@ def _job_environment(n: int, mode: str, port: int | None) -> Iterator[list[dict[
         yield envs
 
 
-def _tf_config_environment(n: int, port: int | None) -> list[dict[str, str]]:
+def _tf_config_environment(n: int, port: int | None = None) -> list[dict[str, str]]:
     """A TF_CONFIG per worker, naming a loopback port for each (free ones unless given)."""
     if port is None:
         ports = _free_ports(n)
