@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras.src.models.functional import Functional
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import cluster, errors, files, reducers, step
+from kmirror import cluster, errors, files, keras_hooks, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -199,6 +199,8 @@ class MirroredModel(keras.Model):
         """
         with self._reducer.scope():
             optimizer = _new_optimizer(optimizer)
+            if optimizer is not None:
+                keras_hooks.local_optimizer(optimizer)
             self._replica.compile(
                 optimizer=optimizer,
                 loss=loss,
@@ -362,7 +364,7 @@ class MirroredModel(keras.Model):
         plain = _clone(self._replica)
         if self._replica.built:
             _build_like(plain, self._replica)
-            plain.set_weights(self._replica.get_weights())
+            _copy_variables(self._replica, plain)
         if self.compiled and self._user_compile is not None:
             args = dict(self._user_compile)
             plain.compile(
@@ -391,7 +393,7 @@ class MirroredModel(keras.Model):
             self._for_saving.model = self.unwrap()
             return self._for_saving.model
         if plain.built:
-            plain.set_weights(self._replica.get_weights())
+            _copy_variables(self._replica, plain)
             if plain.optimizer is not None and plain.optimizer.built:
                 _copy_optimizer_state(self.optimizer, plain.optimizer)
         return plain
@@ -520,8 +522,21 @@ def _replicate(model: keras.Model, reducer: Reducer) -> keras.Model:
         replica = _clone(model)
         if model.built:
             _build_like(replica, model)
-            replica.set_weights(model.get_weights())
+            _copy_variables(model, replica)
     return replica
+
+
+def _copy_variables(source: keras.Model, target: keras.Model) -> None:
+    """Every variable of `source` into `target`: weights, and the state of random layers' seed
+    generators (so that dropout draws the masks it would have drawn)."""
+    target.set_weights(source.get_weights())
+    weights = {id(w) for w in target.weights}
+    rest = [v for v in target.variables if id(v) not in weights]
+    given = [v for v in source.variables if id(v) not in {id(w) for w in source.weights}]
+    if len(rest) == len(given):
+        for src, dst in zip(given, rest):
+            if tuple(src.shape) == tuple(dst.shape):
+                dst.assign(src.value)
 
 
 def _new_optimizer(optimizer):
@@ -549,7 +564,8 @@ def _copy_optimizer_state(source, target) -> None:
 
 
 def _fresh_metrics(metrics):
-    """Copies of the user's metric objects, so that the wrapped model never shares their state."""
+    """Copies of the user's metric objects (with their names), so that the wrapped model never
+    shares their state."""
     if metrics is None:
         return None
 

@@ -1,11 +1,16 @@
-"""The data-parallel step: split the global batch, compute local gradients, reduce, apply.
+"""The data-parallel step: split the global batch, compute local gradients, reduce once, apply.
 
-Every process sees the same global batch. Replica `r` of `n` takes rows `[r*B//n, (r+1)*B//n)`,
-computes its loss normalised by the GLOBAL batch (its Keras loss, a mean over its own rows, times
-its share of the rows), and the reducer sums the gradients. The sum of the replicas' losses is
-then exactly the single-device loss of the global batch, whatever B and n are, and so is its
-gradient: batches not divisible by n, uneven final batches and replicas left with no rows at all
-give the same update as one device would.
+Every process sees the same global batch. Replica `r` of `n` takes rows `[r*B//n, (r+1)*B//n)` and
+computes its part of the single-device loss of the global batch: Keras' losses divide by the
+global batch's normalisers (rows, sample weights, unmasked entries), BatchNormalization uses the
+global batch's statistics and random layers take the replica's rows of the draw one device would
+make (`kmirror.keras_hooks`). The parts add up to the single-device loss, whatever B and n are, and
+so do their gradients.
+
+The reducer sums the gradients at one point, `Reducer.reduce_gradients`, and every replica then
+applies the sum with its own copy of the optimizer, as one device would: clipping, gradient
+accumulation, EMA and loss scaling see the global gradient. With gradient accumulation the sum is
+taken once per update, from the accumulated local gradients.
 
 The step returns the global loss and the predictions of the whole batch, gathered in row order,
 so that the model updates its Keras metrics once, on the global batch, exactly as on one device.
@@ -17,8 +22,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.losses import loss as keras_loss
 
+from kmirror import keras_hooks
 from kmirror.reducers.base import Reducer
 
 __all__ = ["shard", "batch_size", "train", "evaluate", "predict"]
@@ -30,43 +35,55 @@ def batch_size(data: Any) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
+def _bounds(rows, index: int, count: int):
+    return rows * index // count, rows * (index + 1) // count
+
+
 def shard(data: Any, index: int, count: int) -> Any:
     """Rows `[index*B//count, (index+1)*B//count)` of every tensor in `data`."""
-    rows = batch_size(data)
-    start = rows * index // count
-    stop = rows * (index + 1) // count
+    start, stop = _bounds(batch_size(data), index, count)
     return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], data)
 
 
 def _split(reducer: Reducer, data: Any) -> Any:
+    """Per replica: (its rows of `data`, the index of its first row)."""
+
+    def rows_of(index, count):
+        start, _ = _bounds(batch_size(data), index, count)
+        return shard(data, index, count), start
+
     # tf.nest keeps None leaves (absent y or sample_weight) as they are.
-    return reducer.distribute(lambda index, count: shard(data, index, count))
-
-
-def _share(local: Any, total: tf.Tensor, dtype) -> tf.Tensor:
-    """This replica's fraction of the global batch's rows."""
-    return tf.cast(batch_size(local), dtype) / tf.cast(total, dtype)
-
-
-def _global_loss_part(model: keras.Model, x, y, y_pred, sample_weight, total, training: bool):
-    """This replica's part of the global batch's loss; the parts sum to the single-device loss.
-
-    Keras divides each replica's loss by the replica count (`scale_loss_for_distribution`),
-    which is right only when every replica has the same number of rows. kmirror undoes that and
-    weighs the replica's mean loss by its share of the rows instead.
-    """
-    loss = model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-    )
-    loss = keras_loss.unscale_loss_for_distribution(loss)
-    return loss * _share(x, total, loss.dtype)
+    return reducer.distribute(rows_of)
 
 
 def _call(model: keras.Model, x, training: bool):
     return model(x, training=training) if model._call_has_training_arg else model(x)
 
 
-def train(model: keras.Model, reducer: Reducer, data: Any, jit_compile: bool = False):
+def _rows(reducer: Reducer, local, start, total, global_statistics: bool) -> keras_hooks.Rows:
+    return keras_hooks.Rows(
+        start=start,
+        count=batch_size(local),
+        total=total,
+        all_sum=reducer.all_sum,
+        global_statistics=global_statistics,
+    )
+
+
+def _loss_part(model, x, y, y_pred, sample_weight, rows, training):
+    """This replica's part of the global batch's loss: the parts sum to the single-device loss."""
+    loss = keras_hooks.compute_loss(model, x, y, y_pred, sample_weight, training=training)
+    # A replica without rows adds nothing (a mean over no rows would be NaN).
+    return tf.where(rows.count > 0, loss * rows.share(loss.dtype), tf.zeros_like(loss))
+
+
+def train(
+    model: keras.Model,
+    reducer: Reducer,
+    data: Any,
+    jit_compile: bool = False,
+    global_statistics: bool = True,
+):
     """One training step on a global batch. Returns (global loss, predictions of the batch).
 
     Args:
@@ -75,6 +92,7 @@ def train(model: keras.Model, reducer: Reducer, data: Any, jit_compile: bool = F
         data: the global batch, `(x, y, sample_weight)` or shorter.
         jit_compile: compile each replica's forward and backward pass with XLA. The reduction and
             the update always run outside XLA, so the chosen reducer is the one that runs.
+        global_statistics: BatchNormalization uses the global batch's statistics.
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     total = batch_size(x)
@@ -82,24 +100,85 @@ def train(model: keras.Model, reducer: Reducer, data: Any, jit_compile: bool = F
     variables = model.trainable_variables
     optimizer = model.optimizer
 
-    def gradients(x, y, sample_weight, total):
-        with tf.GradientTape() as tape:
+    def gradients(x, y, sample_weight, start, total):
+        rows = _rows(reducer, x, start, total, global_statistics)
+        with keras_hooks.replica(rows), tf.GradientTape() as tape:
             y_pred = _call(model, x, training=True)
-            loss = _global_loss_part(model, x, y, y_pred, sample_weight, total, training=True)
+            loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=True)
             scaled = optimizer.scale_loss(loss)
-        return loss, y_pred, tape.gradient(scaled, variables)
+        return loss, (y_pred, keras_hooks.masks_of(y_pred)), tape.gradient(scaled, variables)
 
     if jit_compile:
         gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True)
 
-    def replica_step(local, total):
-        loss, y_pred, grads = gradients(*local, total)
-        grads = reducer.reduce_gradients(grads)
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss, y_pred
+    def local_step(local, total):
+        (x, y, sample_weight), start = local
+        return gradients(x, y, sample_weight, start, total)
 
-    loss, y_pred = reducer.run(replica_step, args=(shards, total))
-    return reducer.sum(loss), reducer.concat(y_pred)
+    loss, y_pred, grads = reducer.run(local_step, args=(shards, total))
+    grads = _reduce(reducer, optimizer, grads, variables)
+    reducer.run(lambda grads: optimizer.apply(grads, variables), args=(grads,))
+    return reducer.sum(loss), _gathered(reducer, y_pred)
+
+
+def _gathered(reducer: Reducer, outputs):
+    """The replicas' (predictions, masks) joined into the whole batch's predictions."""
+    y_pred, masks = outputs
+    return keras_hooks.with_masks(reducer.concat(y_pred), reducer.concat(masks))
+
+
+def _reduce(reducer: Reducer, optimizer, grads: list, variables: list) -> list:
+    """The summed gradients each replica's optimizer applies (the one reduction point)."""
+    if not optimizer.gradient_accumulation_steps:
+        return reducer.reduce_gradients(grads)
+    return _accumulated(reducer, optimizer, grads, variables)
+
+
+def _accumulated(reducer: Reducer, optimizer, grads: list, variables: list) -> list:
+    """Gradient accumulation with one reduction per update.
+
+    Keras' optimizer adds each micro-step's gradient to its accumulators and, every k-th step,
+    applies (gradient + accumulators) / k. Here the accumulators hold the replica's LOCAL sums; on
+    the update step the replica's accumulators are emptied and the optimizer is handed the sum
+    over replicas of (gradient + accumulators): the global accumulated gradient, reduced once.
+    """
+    update, accumulators = keras_hooks.accumulation(optimizer, variables)
+
+    def with_accumulators(grads):
+        dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        return [None if g is None else g + acc.value for g, acc in zip(dense, accumulators)]
+
+    local = reducer.run(with_accumulators, args=(grads,))
+    present = [i for i, g in enumerate(grads) if g is not None]
+
+    def summed():
+        reduced = reducer.reduce_gradients([local[i] for i in present])
+        return [reducer.local_values(g) for g in reduced]
+
+    def unsummed():
+        return [tuple(_zeros_beside(t) for t in reducer.local_values(local[i])) for i in present]
+
+    flat = tf.cond(update, summed, unsummed)
+    totals = [None] * len(grads)
+    for i, values in zip(present, flat):
+        totals[i] = reducer.from_local_values(values)
+
+    def choose(grads, totals):
+        chosen = []
+        for g, total, acc in zip(grads, totals, accumulators):
+            if g is None:
+                chosen.append(None)
+                continue
+            acc.assign(tf.where(update, tf.zeros_like(acc.value), acc.value))
+            chosen.append(tf.where(update, total, tf.convert_to_tensor(g)))
+        return chosen
+
+    return reducer.run(choose, args=(grads, totals))
+
+
+def _zeros_beside(tensor):
+    with tf.device(tensor.device):
+        return tf.zeros_like(tensor)
 
 
 def evaluate(model: keras.Model, reducer: Reducer, data: Any):
@@ -108,17 +187,21 @@ def evaluate(model: keras.Model, reducer: Reducer, data: Any):
     total = batch_size(x)
     shards = _split(reducer, (x, y, sample_weight))
 
-    def replica_step(local, total):
-        x, y, sample_weight = local
-        y_pred = _call(model, x, training=False)
-        return _global_loss_part(model, x, y, y_pred, sample_weight, total, training=False), y_pred
+    def local_step(local, total):
+        (x, y, sample_weight), start = local
+        rows = _rows(reducer, x, start, total, global_statistics=False)
+        with keras_hooks.replica(rows):
+            y_pred = _call(model, x, training=False)
+            loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
+        return loss, (y_pred, keras_hooks.masks_of(y_pred))
 
-    loss, y_pred = reducer.run(replica_step, args=(shards, total))
-    return reducer.sum(loss), reducer.concat(y_pred)
+    loss, y_pred = reducer.run(local_step, args=(shards, total))
+    return reducer.sum(loss), _gathered(reducer, y_pred)
 
 
 def predict(model: keras.Model, reducer: Reducer, data: Any):
     """Predictions for a global batch, each replica computing its rows, gathered in row order."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = reducer.run(lambda x: _call(model, x, training=False), args=(_split(reducer, x),))
+    shards = _split(reducer, x)
+    y_pred = reducer.run(lambda local: _call(model, local[0], training=False), args=(shards,))
     return reducer.concat(y_pred)

@@ -4,7 +4,17 @@ scenario of multi_process_job.py, and checks across ranks."""
 import functools
 
 import numpy as np
-from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model
+from features import FEATURES
+from features import fit as features_fit
+from models import (
+    BATCH,
+    assert_same_history,
+    dense_data,
+    dense_model,
+    max_weight_difference,
+    multi_io_data,
+    multi_io_model,
+)
 
 EPOCHS = 3  # as in multi_process_job.py
 
@@ -29,6 +39,24 @@ def assert_equal_across_ranks(ranks, scenario):
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(a, b)
     assert first["history"] == second["history"]
+
+
+@functools.cache
+def feature_reference(name: str):
+    """A feature of tests/features.py trained on one device: (model, history)."""
+    model = FEATURES[name].build()
+    return model, features_fit(model, FEATURES[name])
+
+
+def assert_feature_equals_single_device(ranks, name):
+    model, history = feature_reference(name)
+    scenario = f"feature {name}"
+    assert_equal_across_ranks(ranks, scenario)
+    for rank in ranks:
+        weights = Weights(rank[scenario]["weights"])
+        assert max_weight_difference(model, weights) < FEATURES[name].tolerance
+        assert list(rank[scenario]["history"]) == list(history), "metric names as on one device"
+        assert_same_history(history, rank[scenario]["history"], rtol=1e-4)
 
 
 class Weights:

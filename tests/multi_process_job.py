@@ -22,6 +22,8 @@ if REDUCER == "ring":
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from features import FEATURES, MULTI_PROCESS  # noqa: E402
+from features import fit as features_fit  # noqa: E402
 from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
 
 EPOCHS = 3
@@ -36,6 +38,9 @@ def main(out):
     seed = 1 + 10 * rank  # different initial weights on every rank
     x, y = dense_data()
     results = {}
+    if os.environ.get("KMIRROR_TEST_ONLY_FEATURES"):  # for debugging the matrix alone
+        run_features(results)
+        return save(out, rank, results)
 
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
     history = fit(model, x, y, epochs=EPOCHS)
@@ -120,6 +125,21 @@ def main(out):
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0).history
     results["shuffled"] = {"history": history, "evaluate": model.evaluate(x, y, verbose=0)}
 
+    if os.environ.get("KMIRROR_TEST_FEATURES"):
+        run_features(results)
+    save(out, rank, results)
+
+
+def run_features(results):
+    """The exactness matrix of tests/features.py."""
+    for name in MULTI_PROCESS:
+        feature = FEATURES[name]
+        model = kmirror.wrap(feature.build(), reducer=REDUCER)
+        history = features_fit(model, feature)
+        results[f"feature {name}"] = {"weights": model.get_weights(), "history": history}
+
+
+def save(out, rank, results):
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
     print(f"rank {rank} done")

@@ -12,15 +12,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
-from multi_process import Weights, assert_equal_across_ranks, reference
+from multi_process import (
+    Weights,
+    assert_equal_across_ranks,
+    assert_feature_equals_single_device,
+    reference,
+)
 
 import kmirror
 
 HERE = Path(__file__).parent
 PYTHON = sys.executable
 HOROVODRUN = str(Path(PYTHON).with_name("horovodrun"))
-JOB_TIMEOUT = 300
+JOB_TIMEOUT = 600
 
 
 def command(launcher: str, script: list[str], n: int = 2) -> list[str]:
@@ -31,12 +37,15 @@ def command(launcher: str, script: list[str], n: int = 2) -> list[str]:
 
 @functools.cache
 def job(launcher: str, folder: str) -> list[dict]:
+    # The feature matrix runs under one launcher (both start the same Horovod ranks).
+    features = {"KMIRROR_TEST_FEATURES": "1"} if launcher == "kmirror.launch" else {}
     done = subprocess.run(
         command(launcher, [str(HERE / "multi_process_job.py"), folder]),
         capture_output=True,
         text=True,
         timeout=JOB_TIMEOUT + 30,
         cwd=HERE.parent,
+        env={**os.environ, **features},
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(2)]
@@ -44,7 +53,14 @@ def job(launcher: str, folder: str) -> list[dict]:
 
 @pytest.fixture(scope="module", params=["kmirror.launch", "horovodrun"])
 def ranks(request, tmp_path_factory):
-    return job(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return launched(request.param, tmp_path_factory)
+
+
+def launched(launcher: str, tmp_path_factory) -> list[dict]:
+    """The job under `launcher`, run once per session."""
+    folder = tmp_path_factory.getbasetemp() / f"job-{launcher}"
+    folder.mkdir(exist_ok=True)
+    return job(launcher, str(folder))
 
 
 @pytest.mark.parametrize(
@@ -59,6 +75,12 @@ def test_two_ranks_equal_single_device(ranks, scenario):
     for rank in ranks:
         assert max_weight_difference(model, Weights(rank[scenario]["weights"])) < 1e-5
         assert_same_history(history, rank[scenario]["history"])
+
+
+@pytest.mark.parametrize("name", MULTI_PROCESS)
+def test_two_ranks_equal_single_device_for_every_feature(tmp_path_factory, name):
+    ranks = launched("kmirror.launch", tmp_path_factory)
+    assert_feature_equals_single_device(ranks, name)
 
 
 def test_only_rank_0_is_chief_and_the_job_has_two_replicas(ranks):

@@ -14,15 +14,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import cpus
+from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
-from multi_process import Weights, assert_equal_across_ranks, reference, square_and_task
+from multi_process import (
+    Weights,
+    assert_equal_across_ranks,
+    assert_feature_equals_single_device,
+    reference,
+    square_and_task,
+)
 
 import kmirror
 from kmirror import cluster
 
 HERE = Path(__file__).parent
 PYTHON = sys.executable
-TIMEOUT = 300
+TIMEOUT = 600
 
 
 def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
@@ -40,12 +47,15 @@ def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
 
 @functools.cache
 def job(devices_per_worker: int, folder: str) -> list[dict]:
+    # The feature matrix runs with one device per worker (2 replicas, one per process).
+    features = {"KMIRROR_TEST_FEATURES": "1"} if devices_per_worker == 1 else {}
     done = subprocess.run(
         launch([str(HERE / "multi_process_job.py"), folder, "ring", str(devices_per_worker)]),
         capture_output=True,
         text=True,
         timeout=TIMEOUT + 30,
         cwd=HERE.parent,
+        env={**os.environ, **features},
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(2)]
@@ -53,7 +63,19 @@ def job(devices_per_worker: int, folder: str) -> list[dict]:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-device-per-worker", "2-devices-per-worker"])
 def workers(request, tmp_path_factory):
-    return request.param, job(request.param, str(tmp_path_factory.mktemp("ring")))
+    return request.param, launched(request.param, tmp_path_factory)
+
+
+def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
+    """The 2-worker job with `devices_per_worker` replicas each, run once per session."""
+    folder = tmp_path_factory.getbasetemp() / f"ring-{devices_per_worker}"
+    folder.mkdir(exist_ok=True)
+    return job(devices_per_worker, str(folder))
+
+
+@pytest.mark.parametrize("name", MULTI_PROCESS)
+def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, name):
+    assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
 
 
 @pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])

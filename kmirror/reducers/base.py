@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
+from kmirror import keras_hooks
 
 __all__ = ["Reducer", "check_num_packs"]
 
@@ -58,9 +59,12 @@ class Reducer:
     def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
         raise NotImplementedError
 
-    def scope(self) -> contextlib.AbstractContextManager:
-        """The scope in which variables become mirrored on every replica."""
-        return self.strategy.scope()
+    @contextlib.contextmanager
+    def scope(self):
+        """The scope in which variables become mirrored on every replica, each replica updating
+        its own copy."""
+        with self.strategy.scope(), keras_hooks.no_aggregation():
+            yield
 
     # -- who am I ------------------------------------------------------------------------------
     @property
@@ -85,13 +89,34 @@ class Reducer:
         return self.strategy.run(fn, args=args)
 
     def reduce_gradients(self, gradients: list) -> list:
-        """Sums one replica's gradients with every other replica's, in replica context.
+        """Sums the replicas' gradients: the one point where gradients cross replicas.
 
-        Strategy-based reducers return the gradients unchanged: Keras' optimizer, applied in
-        replica context, sums them through the strategy's cross-device ops, which is where the
-        chosen all-reduce runs.
+        Called in cross-replica context with one per-replica value per gradient (None where a
+        variable has no gradient); returns per-replica values that hold the sum on every replica.
         """
-        return gradients
+        present = [g for g in gradients if g is not None]
+        if not present:
+            return list(gradients)
+        pairs = [(g, g) for g in present]
+        with self.strategy.scope():
+            reduced = self.strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+        reduced = iter(reduced)
+        return [None if g is None else next(reduced) for g in gradients]
+
+    def all_sum(self, value: tf.Tensor) -> tf.Tensor:
+        """The sum over every replica of a small tensor, in replica context (loss normalisers,
+        BatchNormalization's statistics)."""
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    def local_values(self, per_replica: Any) -> tuple:
+        """The tensors of a per-replica value, one per local replica."""
+        return tuple(self.strategy.experimental_local_results(per_replica))
+
+    def from_local_values(self, values: tuple) -> Any:
+        """The per-replica value made of one tensor per local replica (`local_values`' inverse)."""
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: values[ctx.replica_id_in_sync_group % len(values)]
+        )
 
     def sum(self, per_replica: Any) -> tf.Tensor:
         """The sum over all replicas of a per-replica scalar."""
@@ -101,7 +126,12 @@ class Reducer:
     def concat(self, per_replica: Any) -> Any:
         """Per-replica batches joined along the batch axis, in replica order (nested)."""
         return tf.nest.map_structure(
-            lambda v: tf.concat(self.strategy.experimental_local_results(v), axis=0), per_replica
+            lambda v: (
+                None
+                if v is None
+                else tf.concat(self.strategy.experimental_local_results(v), axis=0)
+            ),
+            per_replica,
         )
 
     def failures(self) -> contextlib.AbstractContextManager:

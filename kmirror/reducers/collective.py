@@ -100,7 +100,9 @@ class Collective(Reducer):
 
     def concat(self, per_replica):
         with self.strategy.scope():
-            return tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), per_replica)
+            return tf.nest.map_structure(
+                lambda v: None if v is None else self.strategy.gather(v, axis=0), per_replica
+            )
 
     def broadcast(self, variables: list) -> None:
         """Every worker takes worker 0's values (each may have built its model differently)."""

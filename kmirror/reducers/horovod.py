@@ -123,6 +123,7 @@ class Horovod(Reducer):
 
     def reduce_gradients(self, gradients: list) -> list:
         hvd = self._hvd
+        gradients = [None if g is None else self._local(g) for g in gradients]
         if self._hvd.size() == 1:
             return gradients
         if self.sparse_as_dense:
@@ -168,6 +169,9 @@ class Horovod(Reducer):
             for part, t in zip(tf.split(total, sizes), tensors)
         ]
 
+    def all_sum(self, value):
+        return self._hvd.allreduce(value, op=self._hvd.Sum)
+
     def _local(self, per_replica):
         return self.strategy.experimental_local_results(per_replica)[0]
 
@@ -175,7 +179,9 @@ class Horovod(Reducer):
         return self._hvd.allreduce(self._local(per_replica), op=self._hvd.Sum)
 
     def concat(self, per_replica):
-        return tf.nest.map_structure(lambda v: self._hvd.allgather(self._local(v)), per_replica)
+        return tf.nest.map_structure(
+            lambda v: None if v is None else self._hvd.allgather(self._local(v)), per_replica
+        )
 
     def broadcast(self, variables: list) -> None:
         # One broadcast per dtype of all variables concatenated, traced once per set of

@@ -1,0 +1,206 @@
+"""The Keras features of the exactness matrix: each builds a compiled model and its data, seeded, so
+that a wrapped copy and a single-device copy can train side by side.
+
+Used in one process (tests/test_features.py) and by the multi-process job (features_job.py).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import keras
+import numpy as np
+from keras import ops
+from models import BATCH, N_SAMPLES, dense_data, multi_io_data, multi_io_model, optimizer
+
+EPOCHS = 3
+
+
+@dataclasses.dataclass
+class Feature:
+    """A model, its data and how it is fit."""
+
+    build: Callable[[], keras.Model]
+    data: Callable[[], tuple]  # (x, y, sample_weight or None)
+    batch_size: int = BATCH
+    tolerance: float = 1e-5
+
+
+def _dense(
+    opt="sgd",
+    hidden=(),
+    loss=None,
+    metrics=("accuracy",),
+    optimizer_options=None,
+    **compile_args,
+):
+    keras.utils.set_random_seed(1)
+    chosen = optimizer(opt)
+    if optimizer_options:
+        chosen = type(chosen).from_config({**chosen.get_config(), **optimizer_options})
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            *[make() for make in hidden],
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        optimizer=chosen,
+        loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=list(metrics),
+        **compile_args,
+    )
+    return model
+
+
+def _weighted_data():
+    x, y = dense_data()
+    weights = np.random.default_rng(3).uniform(0.2, 2.0, size=len(x)).astype("float32")
+    return x, y, weights
+
+
+def _plain_data():
+    x, y = dense_data()
+    return x, y, None
+
+
+class OwnLoss(keras.Model):
+    """A model with its own compute_loss, as the Keras docstring writes one: a mean of its own and
+    the compiled loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.1 * ops.mean(ops.square(y_pred))
+
+
+def _own_loss():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = OwnLoss(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(
+        optimizer=optimizer("sgd"),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+VOCABULARY, LENGTH = 20, 6
+
+
+def _token_data():
+    """Sequences padded with 0 to different lengths; a label per token."""
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, LENGTH + 1, size=N_SAMPLES)
+    tokens = rng.integers(1, VOCABULARY, size=(N_SAMPLES, LENGTH))
+    tokens[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
+    labels = rng.integers(0, 3, size=(N_SAMPLES, LENGTH))
+    return tokens.astype("int32"), labels, None
+
+
+def _masked():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((LENGTH,), dtype="int32"),
+            keras.layers.Embedding(VOCABULARY, 8, mask_zero=True),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(
+        optimizer=optimizer("sgd"),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _binary_data():
+    x, y = dense_data()
+    return x, (y == 1).astype("float32")[:, None], None
+
+
+def _auc():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile(
+        optimizer=optimizer("adam"),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        metrics=[
+            keras.metrics.AUC(from_logits=True, name="auc"),
+            keras.metrics.Precision(thresholds=0.0, name="precision"),
+        ],
+    )
+    return model
+
+
+def _multi_io():
+    return multi_io_model("adam")
+
+
+FEATURES = {
+    "sgd_momentum": Feature(lambda: _dense("sgd"), _plain_data),
+    "adam": Feature(lambda: _dense("adam"), _plain_data, tolerance=1e-4),
+    "sample_weights": Feature(lambda: _dense("sgd"), _weighted_data),
+    "multi_io_adam": Feature(_multi_io, multi_io_data, tolerance=1e-4),
+    "clipnorm": Feature(lambda: _dense(optimizer_options={"clipnorm": 0.05}), _plain_data),
+    "global_clipnorm": Feature(
+        lambda: _dense(optimizer_options={"global_clipnorm": 0.05}), _plain_data
+    ),
+    "clipvalue": Feature(lambda: _dense(optimizer_options={"clipvalue": 0.01}), _plain_data),
+    "sum_reduction": Feature(
+        lambda: _dense(
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+            optimizer_options={"learning_rate": 0.003},
+        ),
+        _weighted_data,
+    ),
+    "mean_with_sample_weight": Feature(
+        lambda: _dense(
+            loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            )
+        ),
+        _weighted_data,
+    ),
+    "own_compute_loss": Feature(_own_loss, _weighted_data),
+    "masked_loss": Feature(_masked, _token_data),
+    "accumulation": Feature(
+        lambda: _dense("adam", optimizer_options={"gradient_accumulation_steps": 2}),
+        _plain_data,
+        tolerance=1e-4,
+    ),
+    "ema": Feature(
+        lambda: _dense(optimizer_options={"use_ema": True, "ema_overwrite_frequency": 3}),
+        _plain_data,
+    ),
+    "batch_norm": Feature(lambda: _dense(hidden=[keras.layers.BatchNormalization]), _weighted_data),
+    "dropout": Feature(lambda: _dense(hidden=[lambda: keras.layers.Dropout(0.3)]), _plain_data),
+    "auc_metric_names": Feature(_auc, _binary_data, tolerance=1e-4),
+    "steps_per_execution": Feature(lambda: _dense(steps_per_execution=3), _plain_data),
+    "batch_smaller_than_replicas": Feature(lambda: _dense("sgd"), _plain_data, batch_size=1),
+}
+
+
+#: The features the multi-process jobs run (Horovod ranks, ring workers). A global batch smaller
+#: than the process count stalls there today and runs in one process only.
+MULTI_PROCESS = sorted(set(FEATURES) - {"batch_smaller_than_replicas"})
+
+
+def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
+    x, y, sample_weight = feature.data()
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=feature.batch_size,
+        epochs=1 if feature.batch_size == 1 else epochs,
+        shuffle=False,
+        verbose=0,
+    )
+    return history.history

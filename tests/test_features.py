@@ -1,0 +1,57 @@
+"""Exact for the Keras features real models compile with: each feature of tests/features.py trains
+on 2 and 3 in-process replicas exactly as on one device with the same global batch (batches of 33:
+not divisible by 2 or 3, a final batch of 2, so one of 3 replicas gets no rows).
+
+Multi-process reducers run the same features in tests/test_horovod.py and
+tests/test_multi_worker.py.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from conftest import cpus
+from features import FEATURES, fit
+from models import assert_same_history, max_weight_difference
+
+import kmirror
+
+
+@functools.cache
+def reference(name: str):
+    feature = FEATURES[name]
+    model = feature.build()
+    return model, fit(model, feature)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_feature_equals_single_device(name, n):
+    feature = FEATURES[name]
+    expected, expected_history = reference(name)
+    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(n))
+    history = fit(model, feature)
+
+    assert max_weight_difference(expected, model) < feature.tolerance
+    assert list(history) == list(expected_history), "metric names as on one device"
+    assert_same_history(expected_history, history, rtol=1e-4)
+
+
+def test_batch_norm_moving_statistics_are_those_of_one_device():
+    feature = FEATURES["batch_norm"]
+    expected, _ = reference("batch_norm")
+    model = kmirror.wrap(feature.build(), reducer="one_device", devices=cpus(3))
+    fit(model, feature)
+    layer = next(lay for lay in model.unwrap().layers if "batch_norm" in lay.name)
+    single = next(lay for lay in expected.layers if "batch_norm" in lay.name)
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(
+            getattr(layer, name).numpy(), getattr(single, name).numpy(), atol=1e-5
+        )
+
+
+def test_accumulation_counts_updates_as_one_device():
+    feature = FEATURES["accumulation"]
+    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
+    fit(model, feature)
+    assert int(model.optimizer.iterations.numpy()) == 3 * 4 // 2  # 12 micro-steps, 6 updates
