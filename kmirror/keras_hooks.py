@@ -84,7 +84,7 @@ def masks_of(outputs):
 
     def mask_of(output):
         mask = keras_masking.get_keras_mask(output)
-        return None if mask is None else tf.cast(mask, tf.int8)
+        return None if mask is None else tf.cast(mask, tf.int32)
 
     return tf.nest.map_structure(mask_of, outputs)
 

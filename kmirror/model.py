@@ -35,6 +35,7 @@ def wrap(
     cluster_spec=None,
     task_type: str | None = None,
     task_id: int | None = None,
+    sync_batch_norm: bool = True,
     **reducer_options: Any,
 ) -> MirroredModel:
     """Wraps a Keras model for synchronous data-parallel training on every local device.
@@ -68,6 +69,9 @@ def wrap(
             `ClusterDef`); default: `TF_CONFIG`'s. Call `kmirror.cluster.connect()` first.
         task_type: this process's job in `cluster_spec` ("worker" or "chief").
         task_id: this process's index in its job.
+        sync_batch_norm: BatchNormalization layers use the statistics of the global batch, as on
+            one device (default). False: each replica normalises with its own rows' statistics,
+            one all-reduce fewer per layer and step, but no longer the single-device result.
         **reducer_options: options of the named reducer, e.g. `num_packs=2` for `"nccl"`.
 
     Returns:
@@ -102,7 +106,7 @@ def wrap(
         **reducer_options,
     )
     chosen.bind(devices=devices, num_gpus=num_gpus)
-    return MirroredModel(model, chosen)
+    return MirroredModel(model, chosen, sync_batch_norm=sync_batch_norm)
 
 
 class MirroredModel(keras.Model):
@@ -128,9 +132,10 @@ class MirroredModel(keras.Model):
     ```
     """
 
-    def __init__(self, model: keras.Model, reducer: Reducer) -> None:
+    def __init__(self, model: keras.Model, reducer: Reducer, sync_batch_norm: bool = True) -> None:
         super().__init__(name=f"mirrored_{model.name}")
         self._reducer = reducer
+        self._sync_batch_norm = bool(sync_batch_norm)
         self._replica_jit_compile = False
         self._user_compile: dict[str, Any] | None = None
         self._synchronized = False  # every process has the chief's weights for this fit
@@ -225,6 +230,15 @@ class MirroredModel(keras.Model):
         if jit_compile == "auto":
             jit_compile = not run_eagerly and self._replica._resolve_auto_jit_compile()
         self._replica_jit_compile = bool(jit_compile) and not run_eagerly
+        if self._replica_jit_compile and self._sync_batch_norm and _has_batch_norm(self._replica):
+            warnings.warn(
+                "kmirror: the replicas' forward and backward passes are not compiled with XLA: "
+                "BatchNormalization sums its statistics over the replicas inside that pass, which "
+                "XLA cannot compile here. Pass sync_batch_norm=False to kmirror.wrap to compile "
+                "them (each replica then normalises with its own rows' statistics).",
+                stacklevel=2,
+            )
+            self._replica_jit_compile = False
         # The outer step is never XLA-compiled; the replicas' optimizer already scales the loss.
         super().compile(
             **{**self._user_compile, "jit_compile": False, "auto_scale_loss": False},
@@ -250,7 +264,11 @@ class MirroredModel(keras.Model):
 
     def train_step(self, data):
         loss, y_pred = step.train(
-            self._replica, self._reducer, data, jit_compile=self._replica_jit_compile
+            self._replica,
+            self._reducer,
+            data,
+            jit_compile=self._replica_jit_compile,
+            global_statistics=self._sync_batch_norm,
         )
         # The global loss is the same in every process: all stop at the same step.
         loss = tf.debugging.check_numerics(loss, _NON_FINITE)
@@ -444,6 +462,18 @@ class _Position(keras.callbacks.Callback):
 
 def _steps(model) -> int:
     return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
+def _has_batch_norm(model: keras.Model) -> bool:
+    return any(isinstance(layer, keras.layers.BatchNormalization) for layer in _layers(model))
+
+
+def _layers(layer) -> list:
+    """Every layer inside `layer`, nested models included."""
+    found = []
+    for inner in getattr(layer, "layers", []):
+        found += [inner, *_layers(inner)]
+    return found
 
 
 def _check_step_is_standard(model: keras.Model) -> None:

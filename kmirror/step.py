@@ -60,13 +60,23 @@ def _call(model: keras.Model, x, training: bool):
     return model(x, training=training) if model._call_has_training_arg else model(x)
 
 
-def _rows(reducer: Reducer, local, start, total, global_statistics: bool) -> keras_hooks.Rows:
+def _rows(
+    reducer: Reducer, local, start, total, global_statistics: bool, jit_compile: bool = False
+) -> keras_hooks.Rows:
     return keras_hooks.Rows(
         start=start,
         count=batch_size(local),
         total=total,
-        all_sum=reducer.all_sum,
+        all_sum=_no_sums_under_xla if jit_compile else reducer.all_sum,
         global_statistics=global_statistics,
+    )
+
+
+def _no_sums_under_xla(value):
+    raise ValueError(
+        "kmirror: this model's loss needs a sum over the replicas inside each replica's forward "
+        "pass (a loss over masked outputs, or reduction='mean_with_sample_weight' with sample "
+        "weights), which XLA cannot compile here. Compile with jit_compile=False."
     )
 
 
@@ -101,7 +111,7 @@ def train(
     optimizer = model.optimizer
 
     def gradients(x, y, sample_weight, start, total):
-        rows = _rows(reducer, x, start, total, global_statistics)
+        rows = _rows(reducer, x, start, total, global_statistics, jit_compile)
         with keras_hooks.replica(rows), tf.GradientTape() as tape:
             y_pred = _call(model, x, training=True)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=True)

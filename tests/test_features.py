@@ -8,10 +8,11 @@ tests/test_multi_worker.py.
 
 import functools
 
+import keras
 import numpy as np
 import pytest
 from conftest import cpus
-from features import FEATURES, fit
+from features import FEATURES, dense, fit
 from models import assert_same_history, max_weight_difference
 
 import kmirror
@@ -55,3 +56,24 @@ def test_accumulation_counts_updates_as_one_device():
     model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
     fit(model, feature)
     assert int(model.optimizer.iterations.numpy()) == 3 * 4 // 2  # 12 micro-steps, 6 updates
+
+
+def test_per_replica_batch_norm_statistics_are_an_option_that_leaves_one_device():
+    feature = FEATURES["batch_norm"]
+    expected, _ = reference("batch_norm")
+    model = kmirror.wrap(
+        feature.build(), reducer="hierarchical_copy", devices=cpus(2), sync_batch_norm=False
+    )
+    fit(model, feature)
+    # Each replica normalises its own rows: no longer the single-device result.
+    assert max_weight_difference(expected, model) > 1e-3
+
+
+def test_xla_with_global_batch_norm_statistics_warns_and_stays_exact():
+    expected, _ = reference("batch_norm")
+    user = dense(hidden=[keras.layers.BatchNormalization], jit_compile=True)
+    with pytest.warns(UserWarning, match="not compiled with XLA"):
+        model = kmirror.wrap(user, reducer="hierarchical_copy", devices=cpus(2))
+    assert model.replica_jit_compile is False
+    fit(model, FEATURES["batch_norm"])
+    assert max_weight_difference(expected, model) < FEATURES["batch_norm"].tolerance
