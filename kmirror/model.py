@@ -560,13 +560,17 @@ def _copy_variables(source: keras.Model, target: keras.Model) -> None:
     """Every variable of `source` into `target`: weights, and the state of random layers' seed
     generators (so that dropout draws the masks it would have drawn)."""
     target.set_weights(source.get_weights())
-    weights = {id(w) for w in target.weights}
-    rest = [v for v in target.variables if id(v) not in weights]
-    given = [v for v in source.variables if id(v) not in {id(w) for w in source.weights}]
+    given, rest = _non_weights(source), _non_weights(target)
     if len(rest) == len(given):
         for src, dst in zip(given, rest):
             if tuple(src.shape) == tuple(dst.shape):
                 dst.assign(src.value)
+
+
+def _non_weights(model: keras.Model) -> list:
+    """The variables of `model` that `get_weights` leaves out (seed generator states)."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
 
 def _new_optimizer(optimizer):

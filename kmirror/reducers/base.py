@@ -126,12 +126,7 @@ class Reducer:
     def concat(self, per_replica: Any) -> Any:
         """Per-replica batches joined along the batch axis, in replica order (nested)."""
         return tf.nest.map_structure(
-            lambda v: (
-                None
-                if v is None
-                else tf.concat(self.strategy.experimental_local_results(v), axis=0)
-            ),
-            per_replica,
+            lambda v: None if v is None else tf.concat(self.local_values(v), axis=0), per_replica
         )
 
     def failures(self) -> contextlib.AbstractContextManager:
