@@ -19,6 +19,8 @@ import json
 import os
 
 import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
+from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context
 
 __all__ = ["is_chief", "connect", "connected", "describe", "Cluster"]
@@ -141,8 +143,6 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
             "start. Call kmirror.cluster.connect() (after kmirror.devices.simulate, if used) at "
             "the top of the script."
         )
-    from kmirror.reducers.collective import multi_worker_strategy
-
     # The job's one multi-worker strategy: creating it configures TensorFlow's collective ops.
     # Reducers reuse it (a second one would reconfigure the running collectives).
     options = tf.distribute.experimental.CommunicationOptions()
@@ -218,3 +218,39 @@ def _cpu_devices() -> int:
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     return len(configured) if configured else 1
+
+
+class _Extended(tf_collective.CollectiveAllReduceExtended):
+    """TensorFlow's multi-worker strategy, with one replica per logical CPU device when there are
+    no GPUs (TensorFlow would use one CPU device per worker)."""
+
+    def __init__(self, *args, cpu_devices: int = 1, **kwargs):
+        self._kmirror_cpu_devices = cpu_devices
+        super().__init__(*args, **kwargs)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, kind = super()._initialize_local_devices(cluster_resolver, worker_device)
+        if kind == "CPU" and self._kmirror_cpu_devices > 1:
+            devices = tuple(
+                f"{worker_device}/device:CPU:{i}" for i in range(self._kmirror_cpu_devices)
+            )
+        return devices, kind
+
+
+class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
+    def __init__(self, cluster_resolver, communication_options, cpu_devices):
+        distribute_lib.Strategy.__init__(
+            self,
+            _Extended(
+                self,
+                cluster_resolver=cluster_resolver,
+                communication_options=communication_options,
+                cpu_devices=cpu_devices,
+            ),
+        )
+
+
+def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distribute.Strategy:
+    """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
+    without GPUs)."""
+    return _MultiWorker(resolver, options, cpu_devices)

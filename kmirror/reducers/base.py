@@ -40,6 +40,8 @@ class Reducer:
     def __init__(self) -> None:
         self.strategy: tf.distribute.Strategy | None = None
         self.devices: list[str] = []
+        #: How this reducer's collectives communicate (None: the strategy's own choice).
+        self.communication: tf.distribute.experimental.CommunicationOptions | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def bind(self, devices: list[str] | None = None, num_gpus: int | None = None) -> None:
@@ -99,14 +101,18 @@ class Reducer:
             return list(gradients)
         pairs = [(g, g) for g in present]
         with self.strategy.scope():
-            reduced = self.strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+            reduced = self.strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM, pairs, options=self.communication
+            )
         reduced = iter(reduced)
         return [None if g is None else next(reduced) for g in gradients]
 
     def all_sum(self, value: tf.Tensor) -> tf.Tensor:
         """The sum over every replica of a small tensor, in replica context (loss normalisers,
         BatchNormalization's statistics)."""
-        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, value, options=self.communication
+        )
 
     def local_values(self, per_replica: Any) -> tuple:
         """The tensors of a per-replica value, one per local replica."""

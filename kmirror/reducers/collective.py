@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
-from tensorflow.python.distribute import distribute_lib
 
 from kmirror import cluster
 from kmirror import devices as devices_lib
@@ -75,14 +73,12 @@ class Collective(Reducer):
 
     def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
         self._check_same_device_count(len(devices))
-        strategy = self.cluster.strategy
-        options = tf.distribute.experimental.CommunicationOptions(
+        # The job's one strategy exists since connect() and may serve other models; this
+        # reducer's implementation and timeout go with each of its collectives instead.
+        self.communication = tf.distribute.experimental.CommunicationOptions(
             implementation=IMPLEMENTATIONS[self.name], timeout_seconds=self.timeout_seconds
         )
-        # The job's strategy exists since connect(); this reducer sets how it communicates.
-        strategy.extended._communication_options = options
-        strategy.extended._cross_device_ops._options = options
-        return strategy
+        return self.cluster.strategy
 
     def _check_same_device_count(self, count: int) -> None:
         """Every worker must have as many replicas; a mismatch would hang the first collective."""
@@ -99,10 +95,20 @@ class Collective(Reducer):
         return self.cluster.is_chief
 
     def concat(self, per_replica):
-        with self.strategy.scope():
+        def gather(values):
+            ctx = tf.distribute.get_replica_context()
             return tf.nest.map_structure(
-                lambda v: None if v is None else self.strategy.gather(v, axis=0), per_replica
+                lambda v: None if v is None else ctx.all_gather(v, 0, options=self.communication),
+                values,
             )
+
+        gathered = self.run(gather, args=(per_replica,))
+        return tf.nest.map_structure(
+            lambda v: None if v is None else self.local_values(v)[0], gathered
+        )
+
+    def sum(self, per_replica):
+        return self.local_values(self.run(self.all_sum, args=(per_replica,)))[0]
 
     def broadcast(self, variables: list) -> None:
         """Every worker takes worker 0's values (each may have built its model differently)."""
@@ -112,7 +118,7 @@ class Collective(Reducer):
             ctx = tf.distribute.get_replica_context()
             mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
             values = [tf.cast(v.value, tf.float64) * mine for v in variables]
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values)
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=self.communication)
 
         key = tuple(id(v) for v in variables)
         if getattr(self, "_broadcast_key", None) != key:  # one trace per set of variables
@@ -154,39 +160,3 @@ class Collective(Reducer):
             f"collective {self.name} over {self.num_replicas} replica(s) on "
             f"{self.cluster.num_workers} worker(s)"
         )
-
-
-class _Extended(tf_collective.CollectiveAllReduceExtended):
-    """TensorFlow's multi-worker strategy, with one replica per logical CPU device when there are
-    no GPUs (TensorFlow would use one CPU device per worker)."""
-
-    def __init__(self, *args, cpu_devices: int = 1, **kwargs):
-        self._kmirror_cpu_devices = cpu_devices
-        super().__init__(*args, **kwargs)
-
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
-        devices, kind = super()._initialize_local_devices(cluster_resolver, worker_device)
-        if kind == "CPU" and self._kmirror_cpu_devices > 1:
-            devices = tuple(
-                f"{worker_device}/device:CPU:{i}" for i in range(self._kmirror_cpu_devices)
-            )
-        return devices, kind
-
-
-class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
-    def __init__(self, cluster_resolver, communication_options, cpu_devices):
-        distribute_lib.Strategy.__init__(
-            self,
-            _Extended(
-                self,
-                cluster_resolver=cluster_resolver,
-                communication_options=communication_options,
-                cpu_devices=cpu_devices,
-            ),
-        )
-
-
-def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distribute.Strategy:
-    """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
-    without GPUs)."""
-    return _MultiWorker(resolver, options, cpu_devices)
