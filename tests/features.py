@@ -139,6 +139,37 @@ def _auc():
     return model
 
 
+#: The row whose gradient overflows float16; with batches of 33 it is neither replica's first row
+#: (2 replicas: replica 1's rows 17-32; 3 replicas: replica 1's rows 11-21).
+OVERFLOW_ROW = 20
+
+
+def _overflow_data():
+    """One row weighed so heavily that its float16 gradient overflows, in every epoch's first
+    batch."""
+    x, y = dense_data()
+    weights = np.ones(len(x), "float32")
+    weights[OVERFLOW_ROW] = 1e4
+    return x, y, weights
+
+
+def _mixed_precision():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", dtype="mixed_float16"),
+            keras.layers.Dense(3, dtype="float32"),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(optimizer("sgd")),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
 def _multi_io():
     return multi_io_model("adam")
 
@@ -182,6 +213,7 @@ FEATURES = {
     "batch_norm": Feature(lambda: dense(hidden=[keras.layers.BatchNormalization]), _weighted_data),
     "dropout": Feature(lambda: dense(hidden=[lambda: keras.layers.Dropout(0.3)]), _plain_data),
     "auc_metric_names": Feature(_auc, _binary_data, tolerance=1e-4),
+    "mixed_precision_overflow": Feature(_mixed_precision, _overflow_data, tolerance=1e-4),
     "steps_per_execution": Feature(lambda: dense(steps_per_execution=3), _plain_data),
     "batch_smaller_than_replicas": Feature(lambda: dense("sgd"), _plain_data, batch_size=1),
 }

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import cpus
-from features import FEATURES, dense, fit
+from features import EPOCHS, FEATURES, dense, fit
 from models import assert_same_history, max_weight_difference
 
 import kmirror
@@ -56,6 +56,21 @@ def test_accumulation_counts_updates_as_one_device():
     model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
     fit(model, feature)
     assert int(model.optimizer.iterations.numpy()) == 3 * 4 // 2  # 12 micro-steps, 6 updates
+
+
+def test_an_overflow_in_one_replica_skips_the_step_on_every_replica():
+    feature = FEATURES["mixed_precision_overflow"]
+    expected, _ = reference("mixed_precision_overflow")
+    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(3))
+    fit(model, feature)
+
+    # One device skipped the overflowing step of each epoch and halved its loss scale each time.
+    assert float(expected.optimizer.dynamic_scale.numpy()) == 2.0**15 / 2**EPOCHS
+    assert float(model.optimizer.dynamic_scale.numpy()) == 2.0**15 / 2**EPOCHS
+    # Every replica skipped, not only the row's: each evaluates its rows with its own weights.
+    x, y, _ = feature.data()
+    losses = [m.evaluate(x, y, batch_size=33, verbose=0)[0] for m in (expected, model)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
 
 
 def test_per_replica_batch_norm_statistics_are_an_option_that_leaves_one_device():
