@@ -36,6 +36,7 @@ bench: install
 	$(PY) benchmarks/bench_fusion.py
 	$(PY) benchmarks/bench_compression.py
 	$(PY) benchmarks/bench_scaling.py
+	$(PY) benchmarks/bench_accumulation.py
 	$(PY) benchmarks/report.py
 
 soak: install

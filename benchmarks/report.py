@@ -163,6 +163,23 @@ def scaling(results: dict) -> str:
     )
 
 
+def accumulation(results: dict) -> str:
+    a = results["accumulation"]
+    return (
+        f"### Gradient accumulation ({a['replicas']} replicas, "
+        f"global batch {a['global_batch']})\n\n"
+        + table(
+            ["gradient_accumulation_steps", "reductions / micro-step", "time per micro-step"],
+            [
+                [a["steps"], a["reductions_per_micro_step"], f"{a['accumulating_ms_per_step']} ms"],
+                [1, 1.0, f"{a['every_step_ms_per_step']} ms"],
+            ],
+        )
+        + f"\n\n{a['reductions']} reductions in {a['micro_steps']} micro-steps; time ratio "
+        f"{a['time_ratio']:.3f}.\n"
+    )
+
+
 def save(fig, name: str) -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -184,6 +201,7 @@ def main():
         ("fusion", fusion),
         ("compression", compression),
         ("scaling", scaling),
+        ("accumulation", accumulation),
     ):
         if section in results:
             parts.append(render(results))

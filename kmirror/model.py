@@ -349,14 +349,29 @@ class MirroredModel(keras.Model):
             given["verbose"] = 0
         return given
 
+    # Keras makes the step functions after building the model, before the first batch: the
+    # moment every process takes the chief's weights and optimizer state (once per fit, and
+    # before an evaluate or predict that comes first), so that all start identical.
     def make_train_function(self, force=False):
-        # Keras calls this once per fit, after building: the moment every process takes the
-        # chief's weights and optimizer state, so that all start identical.
         function = super().make_train_function(force)
-        if not self._synchronized:
-            self._reducer.broadcast(self._replica.variables + list(self.optimizer.variables))
-            self._synchronized = True
+        self._synchronize()
         return function
+
+    def make_test_function(self, force=False):
+        function = super().make_test_function(force)
+        self._synchronize()
+        return function
+
+    def make_predict_function(self, force=False):
+        function = super().make_predict_function(force)
+        self._synchronize()
+        return function
+
+    def _synchronize(self) -> None:
+        if not self._synchronized:
+            optimizer = [] if self.optimizer is None else list(self.optimizer.variables)
+            self._reducer.broadcast(self._replica.variables + optimizer)
+            self._synchronized = True
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         if not self._replica.built:
@@ -423,6 +438,7 @@ class MirroredModel(keras.Model):
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads weights saved by this model, by the original model, or by `unwrap()`'s model."""
+        self._synchronized = False  # in a job, every process takes the chief's file
         return self._replica.load_weights(filepath, skip_mismatch=skip_mismatch, **kwargs)
 
     def summary(self, *args, **kwargs):

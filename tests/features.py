@@ -219,9 +219,8 @@ FEATURES = {
 }
 
 
-#: The features the multi-process jobs run (Horovod ranks, ring workers). A global batch smaller
-#: than the process count stalls there today and runs in one process only.
-MULTI_PROCESS = sorted(set(FEATURES) - {"batch_smaller_than_replicas"})
+#: The features the multi-process jobs run (Horovod ranks, ring workers): all of them.
+MULTI_PROCESS = sorted(FEATURES)
 #: Across workers, steps_per_execution > 1 still fails inside TensorFlow's collectives.
 RING = [name for name in MULTI_PROCESS if name != "steps_per_execution"]
 

@@ -59,6 +59,19 @@ def assert_feature_equals_single_device(ranks, name):
         assert_same_history(history, rank[scenario]["history"], rtol=1e-4)
 
 
+def assert_chief_weights_before_any_fit(ranks):
+    """Every process evaluates and predicts with the chief's initial weights (seed 1), though each
+    built its model with its own seed."""
+    model = dense_model("sgd")
+    x, y = dense_data()
+    expected_evaluate = model.evaluate(x, y, batch_size=7, verbose=0)
+    expected_predict = model.predict(x, batch_size=10, verbose=0)
+    for rank in ranks:
+        np.testing.assert_allclose(rank["before fit"]["evaluate"], expected_evaluate, rtol=1e-5)
+        np.testing.assert_allclose(rank["before fit"]["predict"], expected_predict, atol=1e-5)
+        np.testing.assert_allclose(rank["predict first"], expected_predict, atol=1e-5)
+
+
 class Weights:
     def __init__(self, weights):
         self.weights = weights

@@ -42,6 +42,15 @@ def main(out):
         run_features(results)
         return save(out, rank, results)
 
+    # Before any fit, evaluate and predict already use the chief's weights on every process.
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
+    results["before fit"] = {
+        "evaluate": model.evaluate(x, y, batch_size=7, verbose=0),
+        "predict": model.predict(x, batch_size=10, verbose=0),
+    }
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
+    results["predict first"] = model.predict(x, batch_size=10, verbose=0)
+
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
     history = fit(model, x, y, epochs=EPOCHS)
     results["numpy"] = {

@@ -11,6 +11,7 @@ import functools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import cpus
 from features import EPOCHS, FEATURES, dense, fit
 from models import assert_same_history, max_weight_difference
@@ -56,6 +57,28 @@ def test_accumulation_counts_updates_as_one_device():
     model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
     fit(model, feature)
     assert int(model.optimizer.iterations.numpy()) == 3 * 4 // 2  # 12 micro-steps, 6 updates
+
+
+class CountingReducer(kmirror.reducers.HierarchicalCopy):
+    """Counts the gradient reductions as they run (a variable, not a trace count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = tf.Variable(0, trainable=False)
+
+    def reduce_gradients(self, gradients):
+        self.count.assign_add(1)
+        return super().reduce_gradients(gradients)
+
+
+@pytest.mark.parametrize("name, reductions", [("accumulation", 6), ("adam", 12)])
+def test_gradients_are_reduced_once_per_update(name, reductions):
+    """3 epochs of 4 micro-steps: 12 reductions without accumulation, 6 with 2 steps."""
+    feature = FEATURES[name]
+    reducer = CountingReducer()
+    model = kmirror.wrap(feature.build(), reducer=reducer, devices=cpus(2))
+    fit(model, feature)
+    assert int(reducer.count.numpy()) == reductions
 
 
 def test_an_overflow_in_one_replica_skips_the_step_on_every_replica():

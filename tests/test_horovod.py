@@ -16,6 +16,7 @@ from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
+    assert_chief_weights_before_any_fit,
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
     reference,
@@ -117,6 +118,10 @@ def test_evaluate_and_predict_are_global_on_every_rank(ranks):
         np.testing.assert_allclose(rank["numpy"]["evaluate"], expected_evaluate, rtol=1e-5)
         assert rank["numpy"]["predict"].shape == (101, 3)
         np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
+
+
+def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(ranks):
+    assert_chief_weights_before_any_fit(ranks)
 
 
 @pytest.mark.parametrize("compression, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])

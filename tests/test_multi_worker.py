@@ -18,6 +18,7 @@ from features import RING
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
+    assert_chief_weights_before_any_fit,
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
     reference,
@@ -102,6 +103,10 @@ def test_chief_replicas_and_global_evaluate_and_predict(workers):
             rank["numpy"]["evaluate"], model.evaluate(x, y, batch_size=7, verbose=0), rtol=1e-5
         )
         np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
+
+
+def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(workers):
+    assert_chief_weights_before_any_fit(workers[1])
 
 
 def test_later_epochs_and_fits_do_not_retrace_the_step(workers):

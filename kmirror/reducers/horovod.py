@@ -100,6 +100,12 @@ class Horovod(Reducer):
         return [gpus[hvd.local_rank() % len(gpus)]] if gpus else ["/device:CPU:0"]
 
     def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
+        # The rank reaches the step as a variable, not a constant: with a constant rank and a
+        # static batch size, a process whose rows are known to be empty would have its
+        # collectives' inputs constant-folded by TensorFlow's graph optimizer, which then runs
+        # those collectives at optimisation time, on that process alone (the job hangs).
+        with tf.device(devices[0]):
+            self._rank = tf.Variable(self._hvd.rank(), trainable=False, dtype=tf.int32)
         return tf.distribute.OneDeviceStrategy(devices[0])
 
     @property
@@ -116,9 +122,9 @@ class Horovod(Reducer):
 
     # -- collectives ---------------------------------------------------------------------------
     def distribute(self, shard_fn):
-        rank, size = self._hvd.rank(), self._hvd.size()
+        size = self._hvd.size()
         return self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: shard_fn(rank, size)
+            lambda ctx: shard_fn(self._rank.read_value(), size)
         )
 
     def reduce_gradients(self, gradients: list) -> list:
