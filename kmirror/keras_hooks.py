@@ -27,17 +27,24 @@ from keras.src import ops
 from keras.src.backend.common import masking as keras_masking
 from keras.src.backend.tensorflow import nn as keras_nn
 from keras.src.backend.tensorflow import random as keras_random
+from keras.src.backend.tensorflow import trainer as keras_trainer
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.losses import loss as keras_loss
+from keras.src.ops import function as keras_function
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.utils import tracking as keras_tracking
 
 __all__ = [
     "Rows",
     "replica",
+    "current",
     "install",
     "local_optimizer",
     "no_aggregation",
+    "compiled_state",
+    "step_functions",
+    "refresh_copy",
     "compute_loss",
     "accumulation",
     "masks_of",
@@ -54,6 +61,12 @@ class Rows:
     total: tf.Tensor  # rows of the global batch
     all_sum: Callable[[tf.Tensor], tf.Tensor]  # sum over every replica (replica context)
     global_statistics: bool = True  # BatchNormalization over the global batch
+    #: In a model's own step: sums gradients over every replica (replica context), and joins
+    #: every replica's rows of a tensor in row order.
+    reduce_gradients: Callable[[list], list] | None = None
+    all_gather: Callable[[tf.Tensor], tf.Tensor] | None = None
+    #: The scope variables made during the step (an optimizer's, on its first update) need.
+    variable_scope: Callable[[], contextlib.AbstractContextManager] | None = None
 
     def share(self, dtype) -> tf.Tensor:
         """This replica's fraction of the global batch's rows."""
@@ -65,6 +78,11 @@ _state = threading.local()  # tf.distribute runs each replica in a thread of its
 
 def _current() -> Rows | None:
     return getattr(_state, "rows", None)
+
+
+def current() -> Rows | None:
+    """The rows of the replica running on this thread, or None outside a replica."""
+    return _current()
 
 
 @contextlib.contextmanager
@@ -95,6 +113,45 @@ def with_masks(outputs, masks):
         if mask is not None:
             keras_masking.set_keras_mask(output, tf.cast(mask, tf.bool))
     return outputs
+
+
+def compiled_state(model) -> tuple:
+    """What `compile` made on `model` (optimizer, loss and metric objects) and Keras' traced step
+    functions: what a copy of a model that kmirror compiles anew leaves out."""
+    made = ("optimizer", "_compile_loss", "_compile_metrics", "_loss_tracker")
+    return tuple(getattr(model, name, None) for name in made) + step_functions(model)
+
+
+def step_functions(model) -> tuple:
+    """Keras' traced train, test and predict functions of `model` (a copy makes its own)."""
+    names = ("train_function", "test_function", "predict_function")
+    return tuple(getattr(model, name, None) for name in names)
+
+
+def refresh_copy(obj) -> None:
+    """Brings a copied Keras object up to date with where it now lives: what Keras keys by object
+    identity (a functional graph's node keys, an attribute tracker's ids, an optimizer's
+    variable index) and the `tf.distribute` strategy it was made under."""
+    if isinstance(obj, keras_function.Function) and hasattr(obj, "_nodes"):
+        nodes, by_depth, operations, operations_by_depth = keras_function.map_graph(
+            obj._inputs, obj._outputs
+        )
+        obj._nodes, obj._nodes_by_depth = nodes, by_depth
+        obj._operations, obj._operations_by_depth = operations, operations_by_depth
+    elif isinstance(obj, keras_tracking.Tracker):
+        obj.stored_ids = {
+            name: {id(item) for item in store} for name, (_, store) in obj.config.items()
+        }
+    elif isinstance(obj, base_optimizer.BaseOptimizer):
+        # Keras' TensorFlow optimizer remembers the strategy it was made under.
+        obj._distribution_strategy = tf.distribute.get_strategy()
+        if hasattr(obj, "_trainable_variables_indices"):
+            obj._trainable_variables_indices = {
+                obj._var_key(v): i for i, v in enumerate(obj._trainable_variables)
+            }
+    if isinstance(obj, keras_trainer.TensorFlowTrainer):
+        has = tf.distribute.has_strategy()
+        obj._distribute_strategy = tf.distribute.get_strategy() if has else None
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training: bool) -> tf.Tensor:
@@ -152,6 +209,13 @@ def _scale_loss_for_distribution(value):
     if _current() is not None:
         return value
     return _ORIGINAL["scale_loss_for_distribution"](value)
+
+
+def _unscale_loss_for_distribution(value):
+    # The replica's loss is its mean, not 1/replicas of it: nothing to unscale.
+    if _current() is not None:
+        return value
+    return _ORIGINAL["unscale_loss_for_distribution"](value)
 
 
 # -- BatchNormalization ----------------------------------------------------------------------------
@@ -241,6 +305,7 @@ def install() -> None:
         targets = [
             (keras_loss, "reduce_weighted_values", _reduce_weighted_values),
             (keras_loss, "scale_loss_for_distribution", _scale_loss_for_distribution),
+            (keras_loss, "unscale_loss_for_distribution", _unscale_loss_for_distribution),
             (keras_nn, "_compute_moments_sync", _compute_moments_sync),
             (BatchNormalization, "_moments", _batch_norm_moments),
             (keras_random, "dropout", _dropout),
@@ -258,10 +323,14 @@ def install() -> None:
 # -- the optimizer and its variables -------------------------------------------------------------
 def no_aggregation() -> contextlib.AbstractContextManager:
     """Variables created in this scope are updated per replica: an assignment in a replica changes
-    that replica's copy (every replica applies the same summed gradient, so copies stay equal)."""
+    that replica's copy (every replica applies the same summed gradient, and updates metrics with
+    the same global values, so copies stay equal). Metric variables, which Keras makes
+    synchronised on read, are mirrored like the others (read in any context)."""
 
     def creator(next_creator, **kwargs):
         kwargs["aggregation"] = tf.VariableAggregation.NONE
+        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+            kwargs["synchronization"] = tf.VariableSynchronization.AUTO
         return next_creator(**kwargs)
 
     return tf.variable_creator_scope(creator)

@@ -1,15 +1,15 @@
 """`MirroredModel` and `wrap`: a user's compiled Keras model, replicated on every device.
 
-`wrap` recreates the model inside the reducer's scope (so its variables are mirrored on every
-replica), copies the weights, and compiles the copy with the user's compile settings and an
-optimizer that carries the user's optimizer state. The user's own model is never changed.
-`MirroredModel` is a `keras.Model`: `fit`, `evaluate`, `predict` and every Keras callback work as
-usual; its train, test and predict steps are kmirror's data-parallel steps (`kmirror.step`).
+`wrap` copies the model inside the reducer's scope (`kmirror.copying`: its variables become mirrored
+on every replica, nothing is serialised), and compiles the copy with the user's compile settings and
+an optimizer that carries the user's optimizer state; a model with its own `train_step` or
+`test_step` keeps its own compiled state and its own steps (`kmirror.own_step`). The user's own
+model is never changed. `MirroredModel` is a `keras.Model`: `fit`, `evaluate`, `predict` and every
+Keras callback work as usual; its steps are kmirror's data-parallel steps (`kmirror.step`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import types
 import warnings
@@ -17,10 +17,9 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.models.functional import Functional
 from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import cluster, errors, files, keras_hooks, reducers, step
+from kmirror import cluster, copying, errors, files, keras_hooks, own_step, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -59,8 +58,10 @@ def wrap(
     ```
 
     Args:
-        model: any `keras.Model` (Sequential, Functional, or subclassed with `get_config`), built
-            or not, compiled or not (compile the wrapped model before `fit` if not).
+        model: any `keras.Model` that trains on one device: Sequential, functional or
+            subclassed, with or without `get_config`, with its own `train_step`, `test_step` or
+            `predict_step` or not, built or not, compiled or not (compile the wrapped model
+            before `fit` if not).
         reducer: how gradients are summed across replicas: a name from `kmirror.REDUCERS`, a
             `kmirror.reducers.Reducer` object, or a `tf.distribute.CrossDeviceOps`.
         devices: the devices to replicate on (default: every GPU, else every logical CPU).
@@ -87,7 +88,6 @@ def wrap(
             f"kmirror.wrap expects a keras.Model; got {type(model).__name__}. Build a Keras model "
             "(keras.Sequential, the functional API, or a keras.Model subclass) and pass that."
         )
-    _check_step_is_standard(model)
     workers = cluster.describe(cluster_spec, task_type, task_id)
     if workers is not None:
         if devices is not None:
@@ -143,12 +143,18 @@ class MirroredModel(keras.Model):
         # The plain model `save` writes (see _plain_copy), held where Keras does not track it as
         # a layer of this model.
         self._for_saving = types.SimpleNamespace(model=None)
-        self._replica = _replicate(model, reducer)
+        # A model with its own train_step or test_step keeps its compiled state (its optimizers,
+        # losses and metrics, copied onto the replicas); kmirror compiles the others anew.
+        self._own_steps = own_step.overridden(model)
+        self._own_training = bool(self._own_steps & {"train_step", "test_step"})
+        self._replica = _replicate(model, reducer, keep_compiled=self._own_training)
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
         if hasattr(self._replica, "output_names"):
             self.output_names = list(self._replica.output_names)
         self.built = True
-        if model.compiled:
+        if model.compiled and self._own_training:
+            self._compile_own()
+        elif model.compiled:
             compile_args = dict(model._compile_config.config)
             compile_args["metrics"] = _fresh_metrics(compile_args.get("metrics"))
             compile_args["weighted_metrics"] = _fresh_metrics(compile_args.get("weighted_metrics"))
@@ -183,7 +189,42 @@ class MirroredModel(keras.Model):
         return int(self._samples_seen.numpy())
 
     # -- compiling ------------------------------------------------------------------------------
-    def compile(
+    def compile(self, *args, **kwargs):
+        """Configures training, as the wrapped model's `compile` (Keras' `Model.compile`, or the
+        model's own `compile` when it overrides `train_step` or `test_step`).
+
+        The optimizer is created on the replicas. kmirror compiles each replica's forward and
+        backward pass with XLA when `jit_compile` is True (or "auto" and a GPU is visible); the
+        gradient reduction and the update always run outside XLA, so the reducer you chose is the
+        reducer that runs.
+        """
+        if getattr(self, "_own_training", False):
+            with self._reducer.scope():
+                # Optimizers, losses and metrics given are copied onto the replicas.
+                args, kwargs = copying.copy_model((args, kwargs))
+                self._replica.compile(*args, **kwargs)
+            return self._compile_own()
+        return self._compile_standard(*args, **kwargs)
+
+    def _compile_own(self) -> None:
+        """The replica keeps its own compiled state; this model takes its optimizer (for
+        callbacks) and its metrics (for the logs)."""
+        replica = self._replica
+        own_step.prepare(replica)
+        if replica.built:
+            with self._reducer.scope():
+                _build_optimizer(replica)
+        self._user_compile = None
+        if hasattr(self, "_for_saving"):
+            self._for_saving.model = None
+        super().compile(
+            optimizer=replica.optimizer,
+            run_eagerly=replica.run_eagerly,
+            steps_per_execution=replica.steps_per_execution,
+            jit_compile=False,
+        )
+
+    def _compile_standard(
         self,
         optimizer="rmsprop",
         loss=None,
@@ -195,13 +236,6 @@ class MirroredModel(keras.Model):
         jit_compile="auto",
         auto_scale_loss=True,
     ):
-        """Configures training, as `keras.Model.compile`.
-
-        The optimizer is created on the replicas. kmirror compiles each replica's forward and
-        backward pass with XLA when `jit_compile` is True (or "auto" and a GPU is visible); the
-        gradient reduction and the update always run outside XLA, so the reducer you chose is the
-        reducer that runs.
-        """
         with self._reducer.scope():
             optimizer = _new_optimizer(optimizer)
             if optimizer is not None:
@@ -262,7 +296,17 @@ class MirroredModel(keras.Model):
     def call(self, inputs, training=None):
         return self._replica(inputs, training=training)
 
+    @property
+    def metrics(self):
+        # A model's own step updates the replica's metrics: they are this model's.
+        if getattr(self, "_own_training", False):
+            return self._replica.metrics
+        return super().metrics
+
     def train_step(self, data):
+        if self._own_training:
+            self._samples_seen.assign_add(tf.cast(step.batch_size(data), tf.int64))
+            return own_step.train(self._replica, self._reducer, data, self._sync_batch_norm)
         loss, y_pred = step.train(
             self._replica,
             self._reducer,
@@ -277,10 +321,14 @@ class MirroredModel(keras.Model):
         return self._record(data, loss, y_pred)
 
     def test_step(self, data):
+        if self._own_training:
+            return own_step.evaluate(self._replica, self._reducer, data)
         loss, y_pred = step.evaluate(self._replica, self._reducer, data)
         return self._record(data, loss, y_pred)
 
     def predict_step(self, data):
+        if "predict_step" in self._own_steps:
+            return own_step.predict(self._replica, self._reducer, data)
         return step.predict(self._replica, self._reducer, data)
 
     def _record(self, data, loss, y_pred):
@@ -297,20 +345,25 @@ class MirroredModel(keras.Model):
         # for the replicas, from a global batch, so uneven batches never reach the build.
         replica = self._replica
         compile_loss = replica._compile_loss
-        if (
-            replica.built
-            and (replica.optimizer is None or replica.optimizer.built)
-            and (compile_loss is None or compile_loss.built)
-        ):
+        optimizers_built = all(o.built for o in own_step.optimizers(replica))
+        if self._own_training:
+            # A GAN or VAE holding built sub-models has no call() of its own to build from.
+            model_built = all(layer.built for layer in _layers(replica))
+        else:
+            model_built = replica.built
+        if model_built and optimizers_built and (compile_loss is None or compile_loss.built):
             return
         if data_batch is None:
             for _, _, batches in iterator:
                 data_batch = next(batches)
                 break
         with self._reducer.scope():
-            self._replica._symbolic_build(data_batch=data_batch)
-            if self._replica.compiled:
-                _build_optimizer(self._replica)
+            if not model_built or not (compile_loss is None or compile_loss.built):
+                replica._symbolic_build(data_batch=data_batch)
+            if replica.compiled:
+                _build_optimizer(replica)
+        if self._own_training:
+            own_step.build_optimizers(replica, self._reducer, data_batch)
 
     def fit(self, *args, **kwargs):
         self._synchronized = False
@@ -394,10 +447,9 @@ class MirroredModel(keras.Model):
         The optimizer state (iterations, moments) comes along, so `fit` on the result continues
         where this model stopped.
         """
-        plain = _clone(self._replica)
-        if self._replica.built:
-            _build_like(plain, self._replica)
-            _copy_variables(self._replica, plain)
+        if self._own_training:  # its optimizers, with their state, come along in the copy
+            return copying.copy_model(self._replica, skip=keras_hooks.step_functions(self._replica))
+        plain = _copy(self._replica)
         if self.compiled and self._user_compile is not None:
             args = dict(self._user_compile)
             plain.compile(
@@ -427,8 +479,10 @@ class MirroredModel(keras.Model):
             return self._for_saving.model
         if plain.built:
             _copy_variables(self._replica, plain)
-            if plain.optimizer is not None and plain.optimizer.built:
-                _copy_optimizer_state(self.optimizer, plain.optimizer)
+            pairs = zip(own_step.optimizers(self._replica), own_step.optimizers(plain))
+            for replica_optimizer, plain_optimizer in pairs:
+                if plain_optimizer.built:
+                    _copy_optimizer_state(replica_optimizer, plain_optimizer)
         return plain
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
@@ -492,84 +546,18 @@ def _layers(layer) -> list:
     return found
 
 
-def _check_step_is_standard(model: keras.Model) -> None:
-    if type(model).train_step is not keras.Model.train_step:
-        raise ValueError(
-            f"{type(model).__name__} overrides train_step, so kmirror cannot normalise its loss by "
-            "the global batch: kmirror replaces the step with its own data-parallel one. Move the "
-            "custom logic into call() / compute_loss(), or wrap a model with the standard step."
-        )
-
-
-@contextlib.contextmanager
-def _uncompiled(model: keras.Model):
-    """Keeps clone_model from compiling the clone from serialised settings; kmirror compiles it."""
-    compiled = model.compiled
-    model.compiled = False
-    try:
-        yield
-    finally:
-        model.compiled = compiled
-
-
-def _clone(model: keras.Model) -> keras.Model:
-    try:
-        with _uncompiled(model), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return keras.models.clone_model(model, **_lambda_cloning(model))
-    except Exception as error:
-        raise TypeError(
-            f"kmirror could not recreate the model {model.name!r} ({type(model).__name__}) on the "
-            f"replicas: {error}. Subclassed models need get_config() returning their constructor "
-            "arguments (and from_config if they are not plain values); Sequential and functional "
-            "models always work."
-        ) from error
-
-
-def _lambda_cloning(model: keras.Model) -> dict:
-    """`clone_model`'s options for a Sequential or functional model with Lambda layers (Keras
-    would deserialise their functions, which its safe mode refuses); none for other models."""
-    graph = isinstance(model, keras.Sequential) or type(model) is Functional
-    lambdas = any(isinstance(layer, keras.layers.Lambda) for layer in getattr(model, "layers", []))
-    return {"clone_function": _clone_layer} if graph and lambdas else {}
-
-
-def _clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """A new layer configured like `layer`. A Lambda layer keeps its function object: it is the
-    user's own code, in memory, so nothing is deserialised."""
-    config = layer.get_config()
-    if isinstance(layer, keras.layers.Lambda):
-        for given in ("function", "output_shape", "mask", "arguments"):
-            config.pop(given, None)
-        return keras.layers.Lambda(
-            layer.function,
-            output_shape=layer._output_shape,
-            mask=layer.mask,
-            arguments=layer.arguments,
-            **config,
-        )
-    return layer.__class__.from_config(config)
-
-
-def _build_like(clone: keras.Model, model: keras.Model) -> None:
-    if not clone.built:
-        clone.build_from_config(model.get_build_config())
-    if len(clone.weights) != len(model.weights):
-        raise TypeError(
-            f"the recreated model has {len(clone.weights)} weights, the original "
-            f"{len(model.weights)}; give {type(model).__name__} get_build_config() and "
-            "build_from_config() so that kmirror can rebuild it."
-        )
-
-
-def _replicate(model: keras.Model, reducer: Reducer) -> keras.Model:
-    """The model recreated inside the reducer's scope (mirrored variables), with its weights."""
+def _replicate(model: keras.Model, reducer: Reducer, keep_compiled: bool) -> keras.Model:
+    """The model copied inside the reducer's scope: its variables mirrored on every replica."""
     with reducer.scope():
-        replica = _clone(model)
-        if model.built:
-            _build_like(replica, model)
-            _copy_variables(model, replica)
-    return replica
+        if keep_compiled:
+            return copying.copy_model(model, skip=keras_hooks.step_functions(model))
+        return _copy(model)
+
+
+def _copy(model: keras.Model) -> keras.Model:
+    """`model` copied with its weights, without what `compile` made (kmirror compiles the copy)
+    nor Keras' traced step functions (they belong to the original)."""
+    return copying.copy_model(model, skip=keras_hooks.compiled_state(model))
 
 
 def _copy_variables(source: keras.Model, target: keras.Model) -> None:

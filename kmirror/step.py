@@ -26,7 +26,7 @@ import tensorflow as tf
 from kmirror import keras_hooks
 from kmirror.reducers.base import Reducer
 
-__all__ = ["shard", "batch_size", "train", "evaluate", "predict"]
+__all__ = ["shard", "split", "batch_size", "train", "evaluate", "predict"]
 
 
 def batch_size(data: Any) -> tf.Tensor:
@@ -45,7 +45,7 @@ def shard(data: Any, index: int, count: int) -> Any:
     return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], data)
 
 
-def _split(reducer: Reducer, data: Any) -> Any:
+def split(reducer: Reducer, data: Any) -> Any:
     """Per replica: (its rows of `data`, the index of its first row)."""
 
     def rows_of(index, count):
@@ -106,7 +106,7 @@ def train(
     """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     total = batch_size(x)
-    shards = _split(reducer, (x, y, sample_weight))
+    shards = split(reducer, (x, y, sample_weight))
     variables = model.trainable_variables
     optimizer = model.optimizer
 
@@ -195,7 +195,7 @@ def evaluate(model: keras.Model, reducer: Reducer, data: Any):
     """One evaluation step on a global batch. Returns (global loss, predictions of the batch)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     total = batch_size(x)
-    shards = _split(reducer, (x, y, sample_weight))
+    shards = split(reducer, (x, y, sample_weight))
 
     def local_step(local, total):
         (x, y, sample_weight), start = local
@@ -212,6 +212,6 @@ def evaluate(model: keras.Model, reducer: Reducer, data: Any):
 def predict(model: keras.Model, reducer: Reducer, data: Any):
     """Predictions for a global batch, each replica computing its rows, gathered in row order."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    shards = _split(reducer, x)
+    shards = split(reducer, x)
     y_pred = reducer.run(lambda local: _call(model, local[0], training=False), args=(shards,))
     return reducer.concat(y_pred)

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 from models import BATCH, N_SAMPLES, dense_data, multi_io_data, multi_io_model, optimizer
+from own_steps import custom_layer, gan, guide_step, images, subclassed_without_config, vae
 
 EPOCHS = 3
 
@@ -214,6 +215,11 @@ FEATURES = {
     "dropout": Feature(lambda: dense(hidden=[lambda: keras.layers.Dropout(0.3)]), _plain_data),
     "auc_metric_names": Feature(_auc, _binary_data, tolerance=1e-4),
     "mixed_precision_overflow": Feature(_mixed_precision, _overflow_data, tolerance=1e-4),
+    "custom_layer_without_config": Feature(custom_layer, _plain_data),
+    "subclassed_without_config": Feature(subclassed_without_config, _plain_data),
+    "own_train_step": Feature(guide_step, _plain_data, tolerance=1e-4),
+    "gan": Feature(gan, images, tolerance=1e-4),
+    "vae": Feature(vae, images, tolerance=1e-4),
     "steps_per_execution": Feature(lambda: dense(steps_per_execution=3), _plain_data),
     "batch_smaller_than_replicas": Feature(lambda: dense("sgd"), _plain_data, batch_size=1),
 }

@@ -97,17 +97,6 @@ def test_wrapping_twice(model):
         kmirror.wrap(wrapped, devices=cpus(2))
 
 
-def test_a_model_with_its_own_train_step(model):
-    class Custom(keras.Sequential):
-        def train_step(self, data):
-            return super().train_step(data)
-
-    custom = Custom([keras.Input((8,)), keras.layers.Dense(3)])
-    custom.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="overrides train_step.*cannot normalise its loss"):
-        kmirror.wrap(custom, devices=cpus(2))
-
-
 def test_fit_before_compile_says_compile():
     x, y = dense_data()
     wrapped = kmirror.wrap(dense_model(compiled=False), devices=cpus(2))

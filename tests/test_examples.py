@@ -84,3 +84,15 @@ def test_multi_worker_example_under_the_launcher():
     )
     checksums = {line.split("checksum")[-1] for line in out.splitlines() if "checksum" in line}
     assert len(checksums) == 1 and "chief of 2 replicas" in out and "worker of 2 replicas" in out
+
+
+def test_gan_example_trains_as_on_one_device():
+    out = run("examples/gan_digits.py", "--epochs", "2")
+    difference = float(out.strip().splitlines()[-1].split(":")[-1])
+    assert difference < 1e-4
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "epoch" not in line]
+    assert len(rows) == 2
+    for row in rows:
+        d_single, d_wrapped, g_single, g_wrapped = map(float, row.split("|")[2:6])
+        assert abs(d_single - d_wrapped) < 1e-4 * abs(d_single)
+        assert abs(g_single - g_wrapped) < 1e-4 * abs(g_single)

@@ -16,6 +16,7 @@ CONCLUSIONS = {
     "03_horovod_ring.ipynb": ["every process holds the exact sum", "both ranks hold the single"],
     "04_multi_worker.ipynb": ["both workers hold the single-device weights"],
     "05_performance.ipynb": ["packing", "compression"],
+    "06_own_train_step_vae.ipynb": ["loss curves on 2 devices are the single-device curves"],
 }
 #: How many plots each notebook draws at least.
 PLOTS = {
@@ -24,6 +25,7 @@ PLOTS = {
     "03_horovod_ring.ipynb": 2,
     "04_multi_worker.ipynb": 0,
     "05_performance.ipynb": 3,
+    "06_own_train_step_vae.ipynb": 2,
 }
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 

@@ -114,6 +114,24 @@ class Reducer:
             tf.distribute.ReduceOp.SUM, value, options=self.communication
         )
 
+    def reduce_in_replica(self, gradients: list) -> list:
+        """`reduce_gradients` called from replica context (inside a model's own train_step):
+        each replica passes its gradients and receives the sums."""
+        present = [g for g in gradients if g is not None]
+        if not present:
+            return list(gradients)
+        ctx = tf.distribute.get_replica_context()
+        reduced = ctx.merge_call(
+            lambda _, *grads: self.reduce_gradients(list(grads)), args=tuple(present)
+        )
+        reduced = iter(reduced)
+        return [None if g is None else next(reduced) for g in gradients]
+
+    def all_gather(self, value: tf.Tensor) -> tf.Tensor:
+        """Every replica's rows of `value` joined in replica order, in replica context."""
+        ctx = tf.distribute.get_replica_context()
+        return ctx.merge_call(lambda _, v: self.concat(v), args=(value,))
+
     def local_values(self, per_replica: Any) -> tuple:
         """The tensors of a per-replica value, one per local replica."""
         return tuple(self.strategy.experimental_local_results(per_replica))

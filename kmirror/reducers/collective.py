@@ -107,6 +107,15 @@ class Collective(Reducer):
             lambda v: None if v is None else self.local_values(v)[0], gathered
         )
 
+    def all_gather(self, value):
+        ctx = tf.distribute.get_replica_context()
+        # The collective sends from the replica's device (every worker has as many replicas).
+        local = self.strategy.extended.worker_devices
+        replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
+        with tf.device(local[replica % len(local)]):
+            value = tf.identity(value)
+        return ctx.all_gather(value, 0, options=self.communication)
+
     def sum(self, per_replica):
         return self.local_values(self.run(self.all_sum, args=(per_replica,)))[0]
 

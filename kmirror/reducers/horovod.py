@@ -178,6 +178,12 @@ class Horovod(Reducer):
     def all_sum(self, value):
         return self._hvd.allreduce(value, op=self._hvd.Sum)
 
+    def reduce_in_replica(self, gradients: list) -> list:
+        return self.reduce_gradients(gradients)  # one replica per process: no merge needed
+
+    def all_gather(self, value):
+        return self._hvd.allgather(value)
+
     def _local(self, per_replica):
         return self.strategy.experimental_local_results(per_replica)[0]
 

@@ -1,0 +1,199 @@
+"""A model's own `train_step`, `test_step` or `predict_step`, run data-parallel.
+
+Each replica runs the model's own step, unchanged, on its rows of the global batch: the user's
+`GradientTape`, `compute_loss`, `optimizer.apply_gradients` (one optimizer or several) and metric
+updates. Three things make the replicas' steps add up to the single-device step:
+
+- **Losses** are those of the replica's rows: Keras losses and means over the rows come out as
+  the replica's mean (`kmirror.keras_hooks`), so the replica's gradient times its share of the
+  rows is its part of the single-device gradient.
+- **`apply_gradients`** of every optimizer the model holds first weighs the replica's gradients
+  by its share of the rows and sums them over the replicas (`Reducer.reduce_in_replica`, the same
+  reducer as kmirror's own step), then applies the sum on each replica, as one device would.
+- **Metrics** the step updates are updated with global values on every replica: a scalar (a
+  loss) becomes the mean over the global batch (the share-weighted sum over replicas), a scalar
+  `sample_weight` (a row count) the sum over replicas, and per-row tensors (labels,
+  predictions, weights) every replica's rows joined in row order. So every replica holds the
+  single-device metric state and the step's returned logs are the global values.
+
+What a step must do for this to hold is in docs/concepts.md ("A model's own train_step").
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from kmirror import keras_hooks, step
+from kmirror.reducers.base import Reducer
+
+__all__ = [
+    "overridden",
+    "prepare",
+    "optimizers",
+    "build_optimizers",
+    "train",
+    "evaluate",
+    "predict",
+]
+
+_STEPS = ("train_step", "test_step", "predict_step")
+
+
+def overridden(model: keras.Model) -> set[str]:
+    """Which of the Keras steps `model`'s class overrides."""
+    return {name for name in _STEPS if getattr(type(model), name) is not getattr(keras.Model, name)}
+
+
+def prepare(model: keras.Model) -> None:
+    """Readies a replica's optimizers and metrics for the model's own step (after each compile).
+
+    Their `apply` and `update_state` are replaced on the objects themselves by methods that do
+    what the class does outside a replica (so copies of the model, such as `unwrap()`'s, behave
+    as plain Keras objects)."""
+    for optimizer in optimizers(model):
+        keras_hooks.local_optimizer(optimizer)
+        optimizer.apply = types.MethodType(_reducing_apply, optimizer)
+    for metric in model.metrics:
+        metric.update_state = types.MethodType(_globalising_update, metric)
+
+
+def optimizers(model: keras.Model) -> list:
+    """The model's optimizers: its compiled one and those it holds as attributes."""
+    found = [model.optimizer] if model.optimizer is not None else []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and value not in found:
+            found.append(value)
+    return found
+
+
+def _reducing_apply(optimizer, grads, trainable_variables=None):
+    """`optimizer.apply` that, inside a replica's own step, applies the sum over the replicas of
+    their parts of the gradient."""
+    apply = type(optimizer).apply
+    rows = keras_hooks.current()
+    if rows is None or rows.reduce_gradients is None:
+        return apply(optimizer, grads, trainable_variables)
+    if not optimizer.built:
+        # Keras builds an optimizer on its first update. Its variables are made outside the
+        # step's graph, mirrored like the model's: once, in cross-replica context.
+        variables = list(trainable_variables)
+
+        def build(_):
+            with tf.init_scope(), rows.variable_scope():
+                optimizer.build(variables)
+
+        tf.distribute.get_replica_context().merge_call(build)
+    parts = [None if g is None else _part(g, rows) for g in grads]
+    return apply(optimizer, rows.reduce_gradients(parts), trainable_variables)
+
+
+def build_optimizers(model: keras.Model, reducer: Reducer, data) -> None:
+    """Builds the optimizers the model's own train_step builds on its first update.
+
+    Keras builds an optimizer when it first applies gradients, with the variables it is given.
+    Inside Keras' traced train function its own (single-device) strategy is active and refuses
+    mirrored variables, so the step is traced once beforehand, before `fit` traces it, and never
+    run: each optimizer builds during that trace, at its first `apply_gradients`.
+    """
+    if all(optimizer.built for optimizer in optimizers(model)):
+        return
+    probe = tf.function(lambda batch: _run(model.train_step, model, reducer, batch, True))
+    probe.get_concrete_function(data)
+
+
+def _part(gradient, rows: keras_hooks.Rows):
+    """The replica's gradient weighed by its share of the rows (0 without rows: a mean over no
+    rows is NaN)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        share = rows.share(gradient.values.dtype)
+        return tf.IndexedSlices(gradient.values * share, gradient.indices, gradient.dense_shape)
+    gradient = tf.convert_to_tensor(gradient)
+    weighted = gradient * rows.share(gradient.dtype)
+    return tf.where(rows.count > 0, weighted, tf.zeros_like(weighted))
+
+
+_updating = threading.local()
+
+
+def _globalising_update(metric, *args, **kwargs):
+    """`metric.update_state` that, inside a replica's own step, updates with global values."""
+    update_state = type(metric).update_state
+    rows = keras_hooks.current()
+    if rows is None or rows.all_gather is None or getattr(_updating, "active", False):
+        return update_state(metric, *args, **kwargs)
+    _updating.active = True  # a metric that updates inner metrics passes them global values
+    try:
+        args = [_global(value, rows, count=False) for value in args]
+        kwargs = {
+            name: _global(value, rows, count=name == "sample_weight")
+            for name, value in kwargs.items()
+        }
+        return update_state(metric, *args, **kwargs)
+    finally:
+        _updating.active = False
+
+
+def _global(value, rows: keras_hooks.Rows, count: bool):
+    """The global counterpart of a value a replica passes to a metric."""
+
+    def one(leaf):
+        if leaf is None or isinstance(leaf, str | bool):
+            return leaf
+        tensor = tf.convert_to_tensor(leaf)
+        if tensor.shape.rank != 0:
+            return rows.all_gather(tensor)  # per-row values: every replica's rows, in row order
+        if count:
+            return rows.all_sum(tensor)
+        if not tensor.dtype.is_floating:
+            tensor = tf.cast(tensor, tf.float32)
+        part = tensor * rows.share(tensor.dtype)  # a mean over the replica's rows
+        return rows.all_sum(tf.where(rows.count > 0, part, tf.zeros_like(part)))
+
+    return tf.nest.map_structure(one, value)
+
+
+def _run(method: Callable, model: keras.Model, reducer: Reducer, data, global_statistics: bool):
+    """`method(rows)` on every replica; the first local replica's result (all are equal)."""
+    shards = step.split(reducer, data)
+
+    def local(shard):
+        rows_data, start = shard
+        rows = keras_hooks.Rows(
+            start=start,
+            count=step.batch_size(rows_data),
+            total=step.batch_size(data),
+            all_sum=reducer.all_sum,
+            global_statistics=global_statistics,
+            reduce_gradients=reducer.reduce_in_replica,
+            all_gather=reducer.all_gather,
+            variable_scope=reducer.scope,
+        )
+        with keras_hooks.replica(rows):
+            return method(rows_data)
+
+    return reducer.run(local, args=(shards,))
+
+
+def _first(reducer: Reducer, per_replica) -> Any:
+    return tf.nest.map_structure(lambda v: reducer.local_values(v)[0], per_replica)
+
+
+def train(model: keras.Model, reducer: Reducer, data, global_statistics: bool = True):
+    """The model's own train_step on every replica; its logs (global values)."""
+    return _first(reducer, _run(model.train_step, model, reducer, data, global_statistics))
+
+
+def evaluate(model: keras.Model, reducer: Reducer, data):
+    """The model's own test_step on every replica; its logs (global values)."""
+    return _first(reducer, _run(model.test_step, model, reducer, data, False))
+
+
+def predict(model: keras.Model, reducer: Reducer, data):
+    """The model's own predict_step on every replica, the outputs joined in row order."""
+    return reducer.concat(_run(model.predict_step, model, reducer, data, False))

@@ -1,0 +1,65 @@
+"""Models with their own steps and models Keras cannot recreate from a config are wrapped as they
+are (their training is in the exactness matrix, tests/features.py); here: their own test_step and
+predict_step, and leaving kmirror with them."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+from features import FEATURES, fit
+from models import dense_data
+from own_steps import gan, images, own_evaluation
+
+import kmirror
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_own_test_step_and_predict_step_equal_single_device(n):
+    x, y = dense_data()
+    reference = own_evaluation()
+    model = kmirror.wrap(own_evaluation(), reducer="hierarchical_copy", devices=cpus(n))
+
+    expected = reference.evaluate(x, y, batch_size=33, verbose=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=33, verbose=0), expected, rtol=1e-6)
+    expected = reference.predict(x, batch_size=33, verbose=0)
+    actual = model.predict(x, batch_size=33, verbose=0)
+    assert actual.shape == (101, 3)
+    np.testing.assert_allclose(actual, expected, atol=1e-6)
+    np.testing.assert_allclose(actual.sum(axis=1), 1.0, rtol=1e-5)  # its own step: softmax
+
+
+def test_a_gan_leaves_kmirror_with_its_optimizers_state_and_the_user_model_unchanged():
+    user = gan()
+    before = [w.numpy().copy() for w in user.weights]
+    model = kmirror.wrap(user, reducer="hierarchical_copy", devices=cpus(2))
+    fit(model, FEATURES["gan"])
+
+    plain = model.unwrap()
+    assert type(plain) is type(user)
+    for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in ("d_optimizer", "g_optimizer"):
+        trained, copied = getattr(model._replica, name), getattr(plain, name)
+        assert int(copied.iterations.numpy()) == 12  # 3 epochs of 4 batches
+        for a, b in zip(trained.variables, copied.variables, strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for weight, value in zip(user.weights, before, strict=True):
+        np.testing.assert_array_equal(weight.numpy(), value)
+    assert not user.d_optimizer.built, "the user's optimizers are untouched"
+
+    # The plain copy trains on one device as the original class does.
+    x, _, _ = images()
+    history = plain.fit(x, batch_size=33, epochs=1, verbose=0).history
+    assert set(history) == {"d_loss", "g_loss"}
+
+
+def test_a_custom_layer_without_config_unwraps_to_a_plain_model():
+    feature = FEATURES["custom_layer_without_config"]
+    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
+    fit(model, feature)
+    plain = model.unwrap()
+    x, y, _ = feature.data()
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), model.predict(x, batch_size=33, verbose=0), atol=1e-6
+    )
+    assert isinstance(plain, keras.Sequential)
