@@ -90,7 +90,19 @@ def _reducing_apply(optimizer, grads, trainable_variables=None):
 
         tf.distribute.get_replica_context().merge_call(build)
     parts = [None if g is None else _part(g, rows) for g in grads]
-    return apply(optimizer, rows.reduce_gradients(parts), trainable_variables)
+    try:
+        summed = rows.reduce_gradients(parts)
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        raise ValueError(
+            "kmirror: the model's own train_step calls apply_gradients inside a condition or loop "
+            "of the step (tf.cond, tf.while_loop, or Python if/for on tensors under autograph) "
+            "or inside a nested tf.function; the sum of the gradients over the replicas cannot "
+            "run there. Call apply_gradients at the top level of train_step; to skip an update "
+            "conditionally, multiply the gradients by 0 or 1 instead."
+        ) from None
+    return apply(optimizer, summed, trainable_variables)
 
 
 def build_optimizers(model: keras.Model, reducer: Reducer, data) -> None:

@@ -5,6 +5,7 @@ predict_step, and leaving kmirror with them."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import cpus
 from features import FEATURES, fit
 from models import dense_data
@@ -63,3 +64,28 @@ def test_a_custom_layer_without_config_unwraps_to_a_plain_model():
         plain.predict(x, verbose=0), model.predict(x, batch_size=33, verbose=0), atol=1e-6
     )
     assert isinstance(plain, keras.Sequential)
+
+
+def test_apply_gradients_inside_a_condition_is_refused_with_the_fix():
+    class Conditional(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+
+            def update():
+                self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+                return tf.constant(0)
+
+            tf.cond(loss > 0, update, lambda: tf.constant(0))
+            return {"loss": loss}
+
+    model = Conditional([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    x, y = dense_data()
+    with pytest.raises(ValueError, match="apply_gradients inside a condition.*top level"):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
