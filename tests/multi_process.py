@@ -72,6 +72,19 @@ def assert_chief_weights_before_any_fit(ranks):
         np.testing.assert_allclose(rank["predict first"], expected_predict, atol=1e-5)
 
 
+def assert_own_evaluation_equals_single_device(ranks):
+    """A model's own test_step and predict_step give the single-device values on every process."""
+    from own_steps import own_evaluation
+
+    model = own_evaluation()
+    x, y = dense_data()
+    expected_evaluate = model.evaluate(x, y, batch_size=33, verbose=0)
+    expected_predict = model.predict(x, batch_size=33, verbose=0)
+    for rank in ranks:
+        np.testing.assert_allclose(rank["own evaluation"]["evaluate"], expected_evaluate, rtol=1e-5)
+        np.testing.assert_allclose(rank["own evaluation"]["predict"], expected_predict, atol=1e-5)
+
+
 class Weights:
     def __init__(self, weights):
         self.weights = weights

@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 from features import FEATURES, MULTI_PROCESS, RING  # noqa: E402
 from features import fit as features_fit  # noqa: E402
 from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
+from own_steps import own_evaluation  # noqa: E402
 
 EPOCHS = 3
 
@@ -50,6 +51,13 @@ def main(out):
     }
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
     results["predict first"] = model.predict(x, batch_size=10, verbose=0)
+
+    # A model's own test_step and predict_step.
+    model = kmirror.wrap(own_evaluation(), reducer=REDUCER)
+    results["own evaluation"] = {
+        "evaluate": model.evaluate(x, y, batch_size=33, verbose=0),
+        "predict": model.predict(x, batch_size=33, verbose=0),
+    }
 
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
     history = fit(model, x, y, epochs=EPOCHS)

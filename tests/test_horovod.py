@@ -19,6 +19,7 @@ from multi_process import (
     assert_chief_weights_before_any_fit,
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
+    assert_own_evaluation_equals_single_device,
     reference,
 )
 
@@ -122,6 +123,10 @@ def test_evaluate_and_predict_are_global_on_every_rank(ranks):
 
 def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(ranks):
     assert_chief_weights_before_any_fit(ranks)
+
+
+def test_own_test_step_and_predict_step_equal_single_device(ranks):
+    assert_own_evaluation_equals_single_device(ranks)
 
 
 @pytest.mark.parametrize("compression, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])

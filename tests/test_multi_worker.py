@@ -21,6 +21,7 @@ from multi_process import (
     assert_chief_weights_before_any_fit,
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
+    assert_own_evaluation_equals_single_device,
     reference,
     square_and_task,
 )
@@ -107,6 +108,10 @@ def test_chief_replicas_and_global_evaluate_and_predict(workers):
 
 def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(workers):
     assert_chief_weights_before_any_fit(workers[1])
+
+
+def test_own_test_step_and_predict_step_equal_single_device(workers):
+    assert_own_evaluation_equals_single_device(workers[1])
 
 
 def test_later_epochs_and_fits_do_not_retrace_the_step(workers):

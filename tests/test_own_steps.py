@@ -89,3 +89,23 @@ def test_apply_gradients_inside_a_condition_is_refused_with_the_fix():
     x, y = dense_data()
     with pytest.raises(ValueError, match="apply_gradients inside a condition.*top level"):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+
+
+def test_save_does_what_keras_does_with_the_original_model(tmp_path):
+    """A model Keras cannot save (or reload) behaves the same wrapped: kmirror adds no failure."""
+
+    def outcome(model, path):
+        try:
+            model.save(path)
+        except Exception as error:  # whatever Keras raises, the wrapped model raises the same
+            return type(error)
+        try:
+            keras.models.load_model(path)
+        except Exception as error:
+            return ("saved", type(error))
+        return "saved and loaded"
+
+    for build in (FEATURES["custom_layer_without_config"].build, gan):
+        original = outcome(build(), tmp_path / "original.keras")
+        wrapped = kmirror.wrap(build(), reducer="hierarchical_copy", devices=cpus(2))
+        assert outcome(wrapped, tmp_path / "wrapped.keras") == original
