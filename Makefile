@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench soak docs clean
+.PHONY: install demo test test-compat lint format bench soak docs clean
 
 install: $(STAMP)
 
@@ -19,6 +19,22 @@ demo: install
 
 test: install lint
 	$(PY) -m pytest
+
+# The core tests on the oldest supported Keras and TensorFlow (kmirror.versions), in their own venv.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+COMPAT_TESTS := tests/test_equivalence.py tests/test_keras_api.py tests/test_leaving.py \
+	tests/test_bad_input.py
+
+$(COMPAT_STAMP): pyproject.toml constraints-compat.txt
+	python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q -c constraints-compat.txt -e ".[test]"
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -m pytest $(COMPAT_TESTS)
 
 lint: install
 	$(PY) -m ruff check .
@@ -46,4 +62,4 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache

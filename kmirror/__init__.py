@@ -7,9 +7,13 @@ model.fit(x, y, batch_size=256, epochs=10)
 ```
 """
 
-from kmirror import callbacks, cluster, devices, errors, reducers
-from kmirror.model import MirroredModel, wrap
-from kmirror.reducers import REDUCERS
+from kmirror import versions
+
+versions.check()  # before anything that reaches into Keras or TensorFlow
+
+from kmirror import callbacks, cluster, devices, errors, reducers  # noqa: E402
+from kmirror.model import MirroredModel, wrap  # noqa: E402
+from kmirror.reducers import REDUCERS  # noqa: E402
 
 __version__ = "0.1.0"
 """kmirror's version.
@@ -42,5 +46,6 @@ __all__ = [
     "callbacks",
     "cluster",
     "errors",
+    "versions",
     "__version__",
 ]

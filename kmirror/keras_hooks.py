@@ -12,7 +12,8 @@ four things Keras decides per call must be decided over the GLOBAL batch instead
 
 Keras exposes none of these as public API, so this module replaces a few functions of
 `keras.src` while a kmirror replica runs (elsewhere they behave exactly as Keras' own), and is the
-only module that touches them. Checked on Keras 3.15.1 with TensorFlow 2.21.0.
+only module that touches them. Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and on
+Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
 """
 
 from __future__ import annotations

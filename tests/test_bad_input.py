@@ -169,3 +169,31 @@ def test_launch_run_with_a_bad_count_or_mode_raises_before_starting_anything():
         kmirror.launch.run(print, n=0)
     with pytest.raises(ValueError, match="unknown mode 'mpi'; use one of horovod, ring"):
         kmirror.launch.run(print, n=2, mode="mpi")
+
+
+@pytest.mark.parametrize(
+    "library, version",
+    [("keras", "3.11.2"), ("keras", "4.0.0"), ("tensorflow", "2.18.1"), ("tensorflow", "1.15.5")],
+)
+def test_an_unsupported_keras_or_tensorflow_is_named_with_the_supported_range(
+    monkeypatch, library, version
+):
+    import tensorflow as tf
+
+    monkeypatch.setattr(keras if library == "keras" else tf, "__version__", version)
+    with pytest.raises(ImportError) as raised:
+        kmirror.versions.check()
+    message = str(raised.value)
+    assert f"{library} {version}" in message
+    assert "keras>=3.12,<4" in message and "tensorflow>=2.19" in message
+    assert "pip install" in message
+
+
+def test_supported_versions_pass_the_check(monkeypatch):
+    import tensorflow as tf
+
+    monkeypatch.setattr(keras, "__version__", "3.12.0")
+    monkeypatch.setattr(tf, "__version__", "2.19.0")
+    kmirror.versions.check()
+    monkeypatch.setattr(tf, "__version__", "2.25.0rc1")  # newer TensorFlow releases
+    kmirror.versions.check()

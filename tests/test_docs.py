@@ -84,6 +84,7 @@ BAD_INPUT_ELSEWHERE = [
     "tests/test_horovod.py::test_without_a_launcher_it_trains_as_one_replica_and_says_so",
     "tests/test_horovod.py::test_without_horovod_installed_the_error_names_the_install",
     "tests/test_horovod.py::test_horovod_is_not_given_devices",
+    "tests/test_own_steps.py::test_apply_gradients_inside_a_condition_is_refused_with_the_fix",
 ]
 #: Every fault case (the table of docs/reliability.md).
 FAULTS = [
