@@ -422,8 +422,9 @@ class MirroredModel(keras.Model):
 
     def _synchronize(self) -> None:
         if not self._synchronized:
-            optimizer = [] if self.optimizer is None else list(self.optimizer.variables)
-            self._reducer.broadcast(self._replica.variables + optimizer)
+            # Every optimizer's state: a model with its own step may hold several.
+            states = [v for o in own_step.optimizers(self._replica) for v in o.variables]
+            self._reducer.broadcast(self._replica.variables + states)
             self._synchronized = True
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
