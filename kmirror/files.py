@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "check_writable", "keep_keras_saving_cache"]
+__all__ = ["atomic_path", "check_writable"]
 
 _SUFFIXES = (".weights.h5", ".weights.json", ".keras", ".h5", ".json")
 
@@ -51,24 +51,3 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
-
-
-def keep_keras_saving_cache() -> None:
-    """Makes Keras' saving reuse its cache of the attributes it skips.
-
-    Keras 3 (3.15 here) stores that cache under one key (`saving_attr_skipset_<type>`) and looks
-    for it under another (`saving_attr_skiplist_<type>`), so every save builds its reference
-    objects again, an optimizer with variables among them, and a process that checkpoints every
-    epoch grows by tens of KiB per save. This stores the cache under the key Keras reads. It
-    touches Keras internals, so where they differ it does nothing.
-    """
-    try:
-        from keras.src.backend.common import global_state
-        from keras.src.saving import saving_lib
-
-        for kind in ("Operation", "Layer", "Functional", "Sequential", "Metric", "Optimizer"):
-            read = f"saving_attr_skiplist_{kind}"
-            if global_state.get_global_attribute(read) is None:
-                global_state.set_global_attribute(read, saving_lib.get_attr_skipset(kind))
-    except (ImportError, AttributeError, ValueError, TypeError):
-        return

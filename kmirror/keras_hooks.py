@@ -11,8 +11,10 @@ four things Keras decides per call must be decided over the GLOBAL batch instead
   (Keras' TensorFlow optimizer would sum the gradients again, inside `tf.distribute`).
 
 Keras exposes none of these as public API, so this module replaces a few functions of
-`keras.src` while a kmirror replica runs (elsewhere they behave exactly as Keras' own), and is the
-only module that touches them. Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and on
+`keras.src` while a kmirror replica runs (elsewhere they behave exactly as Keras' own). It also
+holds every other use of Keras internals (a model's compile arguments and compiled loss, its
+symbolic build, copies brought up to date, Keras' saving cache), so that it is the only module
+that touches them. Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and on
 Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
 """
 
@@ -34,6 +36,7 @@ from keras.src.losses import loss as keras_loss
 from keras.src.ops import function as keras_function
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import tracking as keras_tracking
 
 __all__ = [
@@ -43,6 +46,13 @@ __all__ = [
     "install",
     "local_optimizer",
     "no_aggregation",
+    "compile_arguments",
+    "compiled_loss",
+    "symbolic_build",
+    "resolve_auto_jit_compile",
+    "calls_with_training",
+    "first_batch",
+    "keep_saving_cache",
     "compiled_state",
     "step_functions",
     "refresh_copy",
@@ -114,6 +124,64 @@ def with_masks(outputs, masks):
         if mask is not None:
             keras_masking.set_keras_mask(output, tf.cast(mask, tf.bool))
     return outputs
+
+
+# -- the model's own Keras state -------------------------------------------------------------------
+def compile_arguments(model) -> dict:
+    """The arguments `model.compile` was called with."""
+    return dict(model._compile_config.config)
+
+
+def compiled_loss(model):
+    """The loss object `compile` made (None before compile)."""
+    return model._compile_loss
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds `model`, its compiled loss and metrics from one batch, as Keras' `fit` does under a
+    strategy. (`MirroredModel` overrides Keras' `_maybe_symbolic_build`, where `fit`, `evaluate`
+    and `predict` call this.)"""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def resolve_auto_jit_compile(model) -> bool:
+    """What `jit_compile="auto"` means for `model` here (True when a GPU is visible)."""
+    return model._resolve_auto_jit_compile()
+
+
+def calls_with_training(model) -> bool:
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def first_batch(x, batch_size):
+    """The first batch Keras makes of `x` (any input `predict` takes)."""
+    for _, _, batches in EpochIterator(
+        x=x, batch_size=batch_size, steps_per_epoch=1, shuffle=False
+    ):
+        return next(iter(batches)) if isinstance(batches, list) else next(batches)
+    return None
+
+
+def keep_saving_cache() -> None:
+    """Makes Keras' saving reuse its cache of the attributes it skips.
+
+    Keras 3 (3.15 here) stores that cache under one key (`saving_attr_skipset_<type>`) and looks
+    for it under another (`saving_attr_skiplist_<type>`), so every save builds its reference
+    objects again, an optimizer with variables among them, and a process that checkpoints every
+    epoch grows by tens of KiB per save. This stores the cache under the key Keras reads. It
+    touches Keras internals, so where they differ it does nothing.
+    """
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.saving import saving_lib
+
+        for kind in ("Operation", "Layer", "Functional", "Sequential", "Metric", "Optimizer"):
+            read = f"saving_attr_skiplist_{kind}"
+            if global_state.get_global_attribute(read) is None:
+                global_state.set_global_attribute(read, saving_lib.get_attr_skipset(kind))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return
 
 
 def compiled_state(model) -> tuple:

@@ -17,9 +17,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.trainers.epoch_iterator import EpochIterator
 
-from kmirror import cluster, copying, errors, files, keras_hooks, own_step, reducers, step
+from kmirror import cluster, copying, errors, keras_hooks, own_step, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -155,7 +154,7 @@ class MirroredModel(keras.Model):
         if model.compiled and self._own_training:
             self._compile_own()
         elif model.compiled:
-            compile_args = dict(model._compile_config.config)
+            compile_args = keras_hooks.compile_arguments(model)
             compile_args["metrics"] = _fresh_metrics(compile_args.get("metrics"))
             compile_args["weighted_metrics"] = _fresh_metrics(compile_args.get("weighted_metrics"))
             self.compile(**compile_args)
@@ -262,7 +261,7 @@ class MirroredModel(keras.Model):
         if hasattr(self, "_for_saving"):
             self._for_saving.model = None  # saved with the new compile settings from now on
         if jit_compile == "auto":
-            jit_compile = not run_eagerly and self._replica._resolve_auto_jit_compile()
+            jit_compile = not run_eagerly and keras_hooks.resolve_auto_jit_compile(self._replica)
         self._replica_jit_compile = bool(jit_compile) and not run_eagerly
         if self._replica_jit_compile and self._sync_batch_norm and _has_batch_norm(self._replica):
             warnings.warn(
@@ -335,16 +334,17 @@ class MirroredModel(keras.Model):
         """Updates the Keras metrics once, on the global batch, as single-device Keras does."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._loss_tracker.update_state(loss, sample_weight=step.batch_size(x))
-        if self._compile_loss is not None and tf.nest.is_nested(y_pred):
+        compiled_loss = keras_hooks.compiled_loss(self)
+        if compiled_loss is not None and tf.nest.is_nested(y_pred):
             # Per-output losses are logged by the loss object itself, on the global batch.
-            self._compile_loss(y, y_pred, sample_weight)
+            compiled_loss(y, y_pred, sample_weight)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds models inside the strategy scope from one batch; kmirror does the same
         # for the replicas, from a global batch, so uneven batches never reach the build.
         replica = self._replica
-        compile_loss = replica._compile_loss
+        compile_loss = keras_hooks.compiled_loss(replica)
         optimizers_built = all(o.built for o in own_step.optimizers(replica))
         if self._own_training:
             # A GAN or VAE holding built sub-models has no call() of its own to build from.
@@ -359,7 +359,7 @@ class MirroredModel(keras.Model):
                 break
         with self._reducer.scope():
             if not model_built or not (compile_loss is None or compile_loss.built):
-                replica._symbolic_build(data_batch=data_batch)
+                keras_hooks.symbolic_build(replica, data_batch)
             if replica.compiled:
                 _build_optimizer(replica)
         if self._own_training:
@@ -429,11 +429,7 @@ class MirroredModel(keras.Model):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         if not self._replica.built:
-            first = EpochIterator(x=x, batch_size=batch_size, steps_per_epoch=1, shuffle=False)
-            for _, _, batches in first:
-                batch = next(iter(batches)) if isinstance(batches, list) else next(batches)
-                self._maybe_symbolic_build(data_batch=batch)
-                break
+            self._maybe_symbolic_build(data_batch=keras_hooks.first_batch(x, batch_size))
         if not self.is_chief and verbose == "auto":
             verbose = 0
         with self._reducer.failures():
@@ -468,7 +464,7 @@ class MirroredModel(keras.Model):
 
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):
         """Saves the model as a plain Keras file (`.keras`), loadable without kmirror."""
-        files.keep_keras_saving_cache()
+        keras_hooks.keep_saving_cache()
         return self._plain_copy().save(filepath, overwrite=overwrite, zipped=zipped, **kwargs)
 
     def _plain_copy(self) -> keras.Model:
@@ -488,7 +484,7 @@ class MirroredModel(keras.Model):
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the weights as the original model would, so the file fits it as well."""
-        files.keep_keras_saving_cache()
+        keras_hooks.keep_saving_cache()
         return self._replica.save_weights(filepath, overwrite=overwrite, **kwargs)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):

@@ -57,7 +57,7 @@ def split(reducer: Reducer, data: Any) -> Any:
 
 
 def _call(model: keras.Model, x, training: bool):
-    return model(x, training=training) if model._call_has_training_arg else model(x)
+    return model(x, training=training) if keras_hooks.calls_with_training(model) else model(x)
 
 
 def _rows(
