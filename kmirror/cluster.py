@@ -19,9 +19,8 @@ import json
 import os
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.eager import context
+
+from kmirror import tf_hooks
 
 __all__ = ["is_chief", "connect", "connected", "describe", "Cluster"]
 
@@ -92,9 +91,8 @@ class Cluster:
         """
         self._exchanges += 1
         prefix = f"kmirror/{self._exchanges}/{key}"
-        ctx = context.context()
-        ctx.set_config_key_value(f"{prefix}/{self.task_type}/{self.task_id}", value)
-        return [ctx.get_config_key_value(f"{prefix}/{job}/{i}") for job, i in self.tasks]
+        tf_hooks.publish(f"{prefix}/{self.task_type}/{self.task_id}", value)
+        return [tf_hooks.read_published(f"{prefix}/{job}/{i}") for job, i in self.tasks]
 
 
 _connected: Cluster | None = None
@@ -136,7 +134,7 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
                 "belongs to one multi-worker job."
             )
         return _connected
-    if context.context()._context_handle is not None and not _collectives_configured():
+    if tf_hooks.started() and not tf_hooks.collectives_configured():
         raise RuntimeError(
             "kmirror.cluster.connect() must run before TensorFlow starts (before any model, "
             "tensor or device query): TensorFlow configures its collective ops only at program "
@@ -147,7 +145,7 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
     # Reducers reuse it (a second one would reconfigure the running collectives).
     options = tf.distribute.experimental.CommunicationOptions()
     resolver = wanted.resolver(_physical_gpus())
-    wanted.strategy = multi_worker_strategy(resolver, options, _cpu_devices())
+    wanted.strategy = tf_hooks.multi_worker_strategy(resolver, options, _cpu_devices())
     _connected = wanted
     return wanted
 
@@ -205,10 +203,6 @@ def _job_order(spec: tf.train.ClusterSpec) -> list[str]:
     return [job for job in ("chief", "worker") if job in spec.jobs]
 
 
-def _collectives_configured() -> bool:
-    return context.context()._collective_leader is not None
-
-
 def _physical_gpus() -> int:
     return len(tf.config.list_physical_devices("GPU"))
 
@@ -218,39 +212,3 @@ def _cpu_devices() -> int:
     cpu = tf.config.list_physical_devices("CPU")[0]
     configured = tf.config.get_logical_device_configuration(cpu)
     return len(configured) if configured else 1
-
-
-class _Extended(tf_collective.CollectiveAllReduceExtended):
-    """TensorFlow's multi-worker strategy, with one replica per logical CPU device when there are
-    no GPUs (TensorFlow would use one CPU device per worker)."""
-
-    def __init__(self, *args, cpu_devices: int = 1, **kwargs):
-        self._kmirror_cpu_devices = cpu_devices
-        super().__init__(*args, **kwargs)
-
-    def _initialize_local_devices(self, cluster_resolver, worker_device):
-        devices, kind = super()._initialize_local_devices(cluster_resolver, worker_device)
-        if kind == "CPU" and self._kmirror_cpu_devices > 1:
-            devices = tuple(
-                f"{worker_device}/device:CPU:{i}" for i in range(self._kmirror_cpu_devices)
-            )
-        return devices, kind
-
-
-class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
-    def __init__(self, cluster_resolver, communication_options, cpu_devices):
-        distribute_lib.Strategy.__init__(
-            self,
-            _Extended(
-                self,
-                cluster_resolver=cluster_resolver,
-                communication_options=communication_options,
-                cpu_devices=cpu_devices,
-            ),
-        )
-
-
-def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distribute.Strategy:
-    """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
-    without GPUs)."""
-    return _MultiWorker(resolver, options, cpu_devices)

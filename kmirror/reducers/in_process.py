@@ -7,8 +7,8 @@ grouping, which drops one device's gradient when the device count is odd.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
 
+from kmirror import tf_hooks
 from kmirror.reducers.base import Reducer, check_num_packs
 
 __all__ = ["InProcessReducer", "Nccl", "HierarchicalCopy", "OneDevice", "CrossDeviceOps"]
@@ -85,7 +85,7 @@ class HierarchicalCopy(_Packing):
     name = "hierarchical_copy"
 
     def cross_device_ops(self) -> tf.distribute.CrossDeviceOps:
-        return _HierarchicalCopyAllReduce(num_packs=self.num_packs)
+        return tf_hooks.GroupedAllReduce(hierarchical_copy_sum, num_packs=self.num_packs)
 
 
 class OneDevice(InProcessReducer):
@@ -151,22 +151,6 @@ def require_gpus(reducer: str, devices: list[str]) -> None:
             f"the devices {devices}. Use reducer='hierarchical_copy' or 'one_device' on CPUs, "
             "or reducer='auto' to let kmirror choose."
         )
-
-
-class _HierarchicalCopyAllReduce(tf.distribute.HierarchicalCopyAllReduce):
-    """TensorFlow's hierarchical copy with groups that cover every device.
-
-    TensorFlow splits n devices into two groups of n // 2, so for odd n the last device's value is
-    never added. Here the groups are the first n // 2 devices and the remaining n - n // 2.
-    """
-
-    def _do_batch_all_reduce(self, reduce_op, dense_values):
-        destinations = dense_values[0]._devices
-        grouped = tf_cross_device_ops._group_value_by_device(dense_values)
-        packs, packer = tf_cross_device_ops._pack_tensors(grouped, self._num_packs)
-        reduced = hierarchical_copy_sum(destinations, packs)
-        reduced = tf_cross_device_ops._unpack_tensors(reduced, packer)
-        return tf_cross_device_ops._ungroup_and_make_mirrored(reduced, dense_values[0], reduce_op)
 
 
 def hierarchical_copy_sum(devices, device_grads):

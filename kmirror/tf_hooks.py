@@ -1,0 +1,110 @@
+"""Where kmirror reaches into TensorFlow: the only module that touches `tensorflow.python`.
+
+TensorFlow has no public API for three things kmirror needs:
+
+- a batch all-reduce with its own summing rule on top of TensorFlow's packing of gradients
+  (`GroupedAllReduce`: the hierarchical copy that covers every device, also for odd counts);
+- a multi-worker strategy with one replica per logical CPU device (`multi_worker_strategy`);
+  TensorFlow's uses one CPU device per worker;
+- the coordination service's key-value store (`publish`, `read_published`), for exchanging
+  small values between workers without collectives;
+- whether TensorFlow has started, and whether its collective ops are configured
+  (`started`, `collectives_configured`), to refuse a late `kmirror.cluster.connect()` clearly.
+
+Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
+from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.eager import context
+
+__all__ = [
+    "GroupedAllReduce",
+    "multi_worker_strategy",
+    "publish",
+    "read_published",
+    "started",
+    "collectives_configured",
+]
+
+
+class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
+    """TensorFlow's packed batch all-reduce with the sum of the packs done by `sum_packs`.
+
+    `sum_packs(devices, packs)` receives `packs[d][i] = (tensor_i on device d, variable)` and
+    returns the same layout with every device holding the total.
+    """
+
+    def __init__(self, sum_packs: Callable, num_packs: int = 1) -> None:
+        super().__init__(num_packs=num_packs)
+        self._sum_packs = sum_packs
+
+    def _do_batch_all_reduce(self, reduce_op, dense_values):
+        destinations = dense_values[0]._devices
+        grouped = tf_cross_device_ops._group_value_by_device(dense_values)
+        packs, packer = tf_cross_device_ops._pack_tensors(grouped, self._num_packs)
+        reduced = self._sum_packs(destinations, packs)
+        reduced = tf_cross_device_ops._unpack_tensors(reduced, packer)
+        return tf_cross_device_ops._ungroup_and_make_mirrored(reduced, dense_values[0], reduce_op)
+
+
+def publish(key: str, value: str) -> None:
+    """Stores `value` under `key` in the job's coordination service."""
+    context.context().set_config_key_value(key, value)
+
+
+def read_published(key: str) -> str:
+    """The value some task published under `key`; waits until it is there."""
+    return context.context().get_config_key_value(key)
+
+
+def started() -> bool:
+    """True once TensorFlow's runtime has started (a tensor, model or device query was made)."""
+    return context.context()._context_handle is not None
+
+
+def collectives_configured() -> bool:
+    """True when this process's collective ops are configured (a multi-worker strategy exists)."""
+    return context.context()._collective_leader is not None
+
+
+class _Extended(tf_collective.CollectiveAllReduceExtended):
+    """TensorFlow's multi-worker strategy, with one replica per logical CPU device when there are
+    no GPUs (TensorFlow would use one CPU device per worker)."""
+
+    def __init__(self, *args, cpu_devices: int = 1, **kwargs):
+        self._kmirror_cpu_devices = cpu_devices
+        super().__init__(*args, **kwargs)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, kind = super()._initialize_local_devices(cluster_resolver, worker_device)
+        if kind == "CPU" and self._kmirror_cpu_devices > 1:
+            devices = tuple(
+                f"{worker_device}/device:CPU:{i}" for i in range(self._kmirror_cpu_devices)
+            )
+        return devices, kind
+
+
+class _MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
+    def __init__(self, cluster_resolver, communication_options, cpu_devices):
+        distribute_lib.Strategy.__init__(
+            self,
+            _Extended(
+                self,
+                cluster_resolver=cluster_resolver,
+                communication_options=communication_options,
+                cpu_devices=cpu_devices,
+            ),
+        )
+
+
+def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distribute.Strategy:
+    """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
+    without GPUs)."""
+    return _MultiWorker(resolver, options, cpu_devices)
