@@ -13,9 +13,11 @@ four things Keras decides per call must be decided over the GLOBAL batch instead
 Keras exposes none of these as public API, so this module replaces a few functions of
 `keras.src` while a kmirror replica runs (elsewhere they behave exactly as Keras' own). It also
 holds every other use of Keras internals (a model's compile arguments and compiled loss, its
-symbolic build, copies brought up to date, Keras' saving cache), so that it is the only module
-that touches them. Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and on
-Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
+symbolic build, copies brought up to date, Keras' saving cache, the epoch a restored `fit` starts
+at), so that it is the only module that touches them; kmirror's callbacks, which extend Keras'
+callback classes, also override the methods Keras' own subclasses override. Checked on Keras
+3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
+(`make test-compat`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from keras.src.losses import loss as keras_loss
 from keras.src.ops import function as keras_function
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.trainers.compile_utils import CompileMetrics
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import tracking as keras_tracking
 
@@ -137,6 +140,23 @@ def compiled_loss(model):
     return model._compile_loss
 
 
+def compiled_metrics(model):
+    """The `CompileMetrics` object `compile` made of `metrics` and `weighted_metrics` (or None)."""
+    return model._compile_metrics
+
+
+def compiled_metric_list(metric) -> list | None:
+    """The metrics a `CompileMetrics` holds (None for any other metric, or before it is built)."""
+    if isinstance(metric, CompileMetrics):
+        return metric.metrics if metric.built else None
+    return None
+
+
+def metric_function(metric):
+    """The function a `keras.metrics.MeanMetricWrapper` averages."""
+    return metric._fn
+
+
 def symbolic_build(model, data_batch) -> None:
     """Builds `model`, its compiled loss and metrics from one batch, as Keras' `fit` does under a
     strategy. (`MirroredModel` overrides Keras' `_maybe_symbolic_build`, where `fit`, `evaluate`
@@ -161,6 +181,23 @@ def first_batch(x, batch_size):
     ):
         return next(iter(batches)) if isinstance(batches, list) else next(batches)
     return None
+
+
+def resume_at_epoch(model, epoch: int) -> None:
+    """Makes the next `fit` of `model` start at `epoch`, as Keras' own BackupAndRestore does."""
+    model._initial_epoch = epoch
+
+
+def resumed_epoch(model) -> int:
+    """The epoch a restored `fit` starts at (0 when nothing was restored)."""
+    return int(getattr(model, "_initial_epoch", None) or 0)
+
+
+def print_msg(message: str) -> None:
+    """Prints as Keras' callbacks do (to stdout, or to the log without interactive logging)."""
+    from keras.src.utils import io_utils
+
+    io_utils.print_msg(message)
 
 
 def keep_saving_cache() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import cluster, copying, errors, keras_hooks, own_step, reducers, step
+from kmirror import cluster, copying, errors, keras_hooks, metric_states, own_step, reducers, step
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -306,39 +306,52 @@ class MirroredModel(keras.Model):
         if self._own_training:
             self._samples_seen.assign_add(tf.cast(step.batch_size(data), tf.int64))
             return own_step.train(self._replica, self._reducer, data, self._sync_batch_norm)
-        loss, y_pred = step.train(
+        loss, y_pred, metric_sum = step.train(
             self._replica,
             self._reducer,
             data,
             jit_compile=self._replica_jit_compile,
             global_statistics=self._sync_batch_norm,
+            logged=self._logged(),
         )
         # The global loss is the same in every process: all stop at the same step.
         loss = tf.debugging.check_numerics(loss, _NON_FINITE)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         self._samples_seen.assign_add(tf.cast(step.batch_size(x), tf.int64))
-        return self._record(data, loss, y_pred)
+        return self._record(data, loss, y_pred, metric_sum)
 
     def test_step(self, data):
         if self._own_training:
             return own_step.evaluate(self._replica, self._reducer, data)
-        loss, y_pred = step.evaluate(self._replica, self._reducer, data)
-        return self._record(data, loss, y_pred)
+        loss, y_pred, metric_sum = step.evaluate(
+            self._replica, self._reducer, data, logged=self._logged()
+        )
+        return self._record(data, loss, y_pred, metric_sum)
 
     def predict_step(self, data):
         if "predict_step" in self._own_steps:
             return own_step.predict(self._replica, self._reducer, data)
         return step.predict(self._replica, self._reducer, data)
 
-    def _record(self, data, loss, y_pred):
-        """Updates the Keras metrics once, on the global batch, as single-device Keras does."""
+    def _logged(self) -> step.Logged:
+        """Metrics whose states add up are updated from the replicas' summed states; others
+        (and per-output losses) from the gathered predictions."""
+        metrics = keras_hooks.compiled_metrics(self)
+        return step.Logged.of(metrics, compiled_loss=keras_hooks.compiled_loss(self) is not None)
+
+    def _record(self, data, loss, y_pred, metric_sum):
+        """Updates the Keras metrics once per global batch, as single-device Keras does."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._loss_tracker.update_state(loss, sample_weight=step.batch_size(x))
         compiled_loss = keras_hooks.compiled_loss(self)
-        if compiled_loss is not None and tf.nest.is_nested(y_pred):
+        if compiled_loss is not None and y_pred is not None and tf.nest.is_nested(y_pred):
             # Per-output losses are logged by the loss object itself, on the global batch.
             compiled_loss(y, y_pred, sample_weight)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if metric_sum is not None:
+            metric_states.add(keras_hooks.compiled_metrics(self), metric_sum)
+        elif y_pred is not None:
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self.get_metrics_result()
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds models inside the strategy scope from one batch; kmirror does the same
@@ -351,12 +364,17 @@ class MirroredModel(keras.Model):
             model_built = all(layer.built for layer in _layers(replica))
         else:
             model_built = replica.built
-        if model_built and optimizers_built and (compile_loss is None or compile_loss.built):
+        metrics = keras_hooks.compiled_metrics(self)
+        metrics_built = self._own_training or metrics is None or metrics.built
+        replica_built = model_built and optimizers_built
+        if replica_built and (compile_loss is None or compile_loss.built) and metrics_built:
             return
         if data_batch is None:
             for _, _, batches in iterator:
                 data_batch = next(batches)
                 break
+        if replica_built and (compile_loss is None or compile_loss.built):
+            return self._build_metrics(data_batch)
         with self._reducer.scope():
             if not model_built or not (compile_loss is None or compile_loss.built):
                 keras_hooks.symbolic_build(replica, data_batch)
@@ -364,6 +382,15 @@ class MirroredModel(keras.Model):
                 _build_optimizer(replica)
         if self._own_training:
             own_step.build_optimizers(replica, self._reducer, data_batch)
+        else:
+            self._build_metrics(data_batch)
+
+    def _build_metrics(self, data_batch) -> None:
+        """Builds this model's compiled metrics (and per-output loss trackers) from one batch,
+        outside any strategy: the step updates them from the replicas' summed states."""
+        metrics = keras_hooks.compiled_metrics(self)
+        if not self._own_training and metrics is not None and not metrics.built:
+            keras_hooks.symbolic_build(self, data_batch)
 
     def fit(self, *args, **kwargs):
         self._synchronized = False
@@ -406,14 +433,27 @@ class MirroredModel(keras.Model):
     # moment every process takes the chief's weights and optimizer state (once per fit, and
     # before an evaluate or predict that comes first), so that all start identical.
     def make_train_function(self, force=False):
-        function = super().make_train_function(force)
+        if force or self.train_function is None:
+            super().make_train_function(force=True)
+            if self._one_call_per_step():
+                self.train_function = step.one_call_per_step(
+                    self.train_step, self.steps_per_execution, self.run_eagerly
+                )
         self._synchronize()
-        return function
+        return self.train_function
 
     def make_test_function(self, force=False):
-        function = super().make_test_function(force)
+        if force or self.test_function is None:
+            super().make_test_function(force=True)
+            if self._one_call_per_step():
+                self.test_function = step.one_call_per_step(
+                    self.test_step, self.steps_per_execution, self.run_eagerly
+                )
         self._synchronize()
-        return function
+        return self.test_function
+
+    def _one_call_per_step(self) -> bool:
+        return not self._reducer.steps_in_one_call and self.steps_per_execution > 1
 
     def make_predict_function(self, force=False):
         function = super().make_predict_function(force)

@@ -12,8 +12,10 @@ applies the sum with its own copy of the optimizer, as one device would: clippin
 accumulation, EMA and loss scaling see the global gradient. With gradient accumulation the sum is
 taken once per update, from the accumulated local gradients.
 
-The step returns the global loss and the predictions of the whole batch, gathered in row order,
-so that the model updates its Keras metrics once, on the global batch, exactly as on one device.
+The step returns the global loss and what the model's logs need: for Keras' built-in metrics, the
+sum over replicas of what each replica's rows add to their states (`kmirror.metric_states`); for
+other metrics and per-output losses, the predictions of the whole batch, gathered in row order. The
+model updates its Keras metrics once per global batch, exactly as on one device.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks
+from kmirror import keras_hooks, metric_states
 from kmirror.reducers.base import Reducer
 
 __all__ = ["shard", "split", "batch_size", "train", "evaluate", "predict"]
@@ -93,8 +95,10 @@ def train(
     data: Any,
     jit_compile: bool = False,
     global_statistics: bool = True,
+    logged: Logged | None = None,
 ):
-    """One training step on a global batch. Returns (global loss, predictions of the batch).
+    """One training step on a global batch. Returns `(global loss, predictions of the batch or
+    None, the replicas' summed metric contributions or None)`, as `logged` asks.
 
     Args:
         model: the replica model (its variables mirrored by `reducer`).
@@ -103,7 +107,9 @@ def train(
         jit_compile: compile each replica's forward and backward pass with XLA. The reduction and
             the update always run outside XLA, so the chosen reducer is the one that runs.
         global_statistics: BatchNormalization uses the global batch's statistics.
+        logged: what the model's logs need of the step (default: the gathered predictions).
     """
+    logged = logged or Logged()
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     total = batch_size(x)
     shards = split(reducer, (x, y, sample_weight))
@@ -123,12 +129,60 @@ def train(
 
     def local_step(local, total):
         (x, y, sample_weight), start = local
-        return gradients(x, y, sample_weight, start, total)
+        loss, outputs, grads = gradients(x, y, sample_weight, start, total)
+        return loss, logged.local(y, outputs, sample_weight), grads
 
-    loss, y_pred, grads = reducer.run(local_step, args=(shards, total))
+    loss, local, grads = reducer.run(local_step, args=(shards, total))
     grads = _reduce(reducer, optimizer, grads, variables)
     reducer.run(lambda grads: optimizer.apply(grads, variables), args=(grads,))
-    return reducer.sum(loss), _gathered(reducer, y_pred)
+    return (reducer.sum(loss), *logged.combine(reducer, local))
+
+
+class Logged:
+    """What a step hands back for the model's logs besides the loss.
+
+    With `metrics` (compiled metrics whose states add up, `kmirror.metric_states`): each replica's
+    contribution to their state, summed over the replicas. With `gather`: the whole batch's
+    predictions, gathered in row order (for metrics and per-output losses that need them).
+    """
+
+    def __init__(
+        self,
+        metrics: keras.metrics.Metric | None = None,
+        gather: bool = True,
+        gather_nested: bool = False,
+    ):
+        self.metrics = metrics
+        self.gather = gather
+        #: Also gather when the model has several outputs (their compiled losses are logged).
+        self.gather_nested = gather_nested
+
+    @classmethod
+    def of(cls, metrics: keras.metrics.Metric | None, compiled_loss: bool) -> Logged:
+        """What a model with these compiled metrics (and a compiled loss or not) logs from."""
+        if metrics is not None and not metric_states.adds_up(metrics):
+            return cls(gather=True)
+        states = metrics if metrics is not None and metrics.variables else None
+        return cls(metrics=states, gather=False, gather_nested=compiled_loss)
+
+    def local(self, y, outputs, sample_weight) -> tuple:
+        """In replica context: what this replica contributes."""
+        y_pred, masks = outputs
+        self.gather = self.gather or (self.gather_nested and tf.nest.is_nested(y_pred))
+        found = ()
+        if self.gather:
+            found += (outputs,)
+        if self.metrics is not None:
+            y_pred = keras_hooks.with_masks(y_pred, masks)
+            found += (metric_states.contribution(self.metrics, y, y_pred, sample_weight),)
+        return found
+
+    def combine(self, reducer: Reducer, local: tuple) -> tuple:
+        """`(predictions or None, summed contributions or None)` from the replicas' values."""
+        local = iter(local)
+        y_pred = _gathered(reducer, next(local)) if self.gather else None
+        summed = reducer.sum(next(local)) if self.metrics is not None else None
+        return y_pred, summed
 
 
 def _gathered(reducer: Reducer, outputs):
@@ -191,8 +245,9 @@ def _zeros_beside(tensor):
         return tf.zeros_like(tensor)
 
 
-def evaluate(model: keras.Model, reducer: Reducer, data: Any):
-    """One evaluation step on a global batch. Returns (global loss, predictions of the batch)."""
+def evaluate(model: keras.Model, reducer: Reducer, data: Any, logged: Logged | None = None):
+    """One evaluation step on a global batch; returns what `train` returns."""
+    logged = logged or Logged()
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     total = batch_size(x)
     shards = split(reducer, (x, y, sample_weight))
@@ -203,10 +258,10 @@ def evaluate(model: keras.Model, reducer: Reducer, data: Any):
         with keras_hooks.replica(rows):
             y_pred = _call(model, x, training=False)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
-        return loss, (y_pred, keras_hooks.masks_of(y_pred))
+        return loss, logged.local(y, (y_pred, keras_hooks.masks_of(y_pred)), sample_weight)
 
-    loss, y_pred = reducer.run(local_step, args=(shards, total))
-    return reducer.sum(loss), _gathered(reducer, y_pred)
+    loss, local = reducer.run(local_step, args=(shards, total))
+    return (reducer.sum(loss), *logged.combine(reducer, local))
 
 
 def predict(model: keras.Model, reducer: Reducer, data: Any):
@@ -215,3 +270,23 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     shards = split(reducer, x)
     y_pred = reducer.run(lambda local: _call(model, local[0], training=False), args=(shards,))
     return reducer.concat(y_pred)
+
+
+def one_call_per_step(step_fn, count: int, run_eagerly: bool):
+    """A Keras step function running up to `count` steps, each its own call of the traced step.
+
+    Takes the place of Keras' loop over `steps_per_execution` steps inside one graph, for reducers
+    whose collectives cannot run in that loop. Like Keras' function, it returns the last step's
+    logs and raises StopIteration when the iterator had no batch left.
+    """
+    one_step = step_fn if run_eagerly else tf.function(step_fn, reduce_retracing=True)
+
+    def function(iterator):
+        outputs = None
+        for _, data in zip(range(count), iterator):
+            outputs = one_step(data)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return function

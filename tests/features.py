@@ -24,6 +24,8 @@ class Feature:
     data: Callable[[], tuple]  # (x, y, sample_weight or None)
     batch_size: int = BATCH
     tolerance: float = 1e-5
+    #: Also evaluate after fit (its logs join the history as "evaluate_<name>").
+    evaluate: bool = False
 
 
 def dense(
@@ -220,15 +222,15 @@ FEATURES = {
     "own_train_step": Feature(guide_step, _plain_data, tolerance=1e-4),
     "gan": Feature(gan, images, tolerance=1e-4),
     "vae": Feature(vae, images, tolerance=1e-4),
-    "steps_per_execution": Feature(lambda: dense(steps_per_execution=3), _plain_data),
+    "steps_per_execution": Feature(
+        lambda: dense(steps_per_execution=3), _plain_data, evaluate=True
+    ),
     "batch_smaller_than_replicas": Feature(lambda: dense("sgd"), _plain_data, batch_size=1),
 }
 
 
 #: The features the multi-process jobs run (Horovod ranks, ring workers): all of them.
 MULTI_PROCESS = sorted(FEATURES)
-#: Across workers, steps_per_execution > 1 still fails inside TensorFlow's collectives.
-RING = [name for name in MULTI_PROCESS if name != "steps_per_execution"]
 
 
 def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
@@ -242,4 +244,14 @@ def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
         shuffle=False,
         verbose=0,
     )
-    return history.history
+    if not feature.evaluate:
+        return history.history
+    logs = model.evaluate(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=feature.batch_size,
+        verbose=0,
+        return_dict=True,
+    )
+    return {**history.history, **{f"evaluate_{k}": [v] for k, v in logs.items()}}

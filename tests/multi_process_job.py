@@ -22,7 +22,7 @@ if REDUCER == "ring":
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from features import FEATURES, MULTI_PROCESS, RING  # noqa: E402
+from features import FEATURES, MULTI_PROCESS  # noqa: E402
 from features import fit as features_fit  # noqa: E402
 from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
 from own_steps import own_evaluation  # noqa: E402
@@ -149,7 +149,7 @@ def main(out):
 
 def run_features(results):
     """The exactness matrix of tests/features.py."""
-    for name in RING if REDUCER == "ring" else MULTI_PROCESS:
+    for name in MULTI_PROCESS:
         feature = FEATURES[name]
         model = kmirror.wrap(feature.build(), reducer=REDUCER)
         history = features_fit(model, feature)

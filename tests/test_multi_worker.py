@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import cpus
-from features import RING
+from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
@@ -75,7 +75,7 @@ def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
     return job(devices_per_worker, str(folder))
 
 
-@pytest.mark.parametrize("name", RING)
+@pytest.mark.parametrize("name", MULTI_PROCESS)
 def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, name):
     assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import keras
 
-from kmirror import cluster
+from kmirror import cluster, keras_hooks
 from kmirror.files import atomic_path, check_writable
 
 __all__ = ["BackupAndRestore"]
@@ -65,7 +65,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             raise ValueError("BackupAndRestore needs a built model; call it on a batch first.")
         model.load_weights(self.backup_dir / state["weights"])
-        model._initial_epoch = state["epoch"]
+        keras_hooks.resume_at_epoch(model, state["epoch"])
 
     def on_epoch_end(self, epoch, logs=None):
         if not cluster.is_chief(self.model):

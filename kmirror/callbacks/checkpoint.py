@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 import keras
-from keras.src.utils import io_utils
 
-from kmirror import cluster
+from kmirror import cluster, keras_hooks
 from kmirror.files import atomic_path, check_writable
 
 __all__ = ["ChiefCheckpoint"]
@@ -83,4 +82,4 @@ class ChiefCheckpoint(keras.callbacks.ModelCheckpoint):
             else:
                 self.model.save(partial, overwrite=True)
         if self.verbose > 0:
-            io_utils.print_msg(f"\nEpoch {epoch + 1}: saved the model to {filepath}")
+            keras_hooks.print_msg(f"\nEpoch {epoch + 1}: saved the model to {filepath}")

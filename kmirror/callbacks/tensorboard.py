@@ -7,7 +7,7 @@ import time
 
 import keras
 
-from kmirror import cluster
+from kmirror import cluster, keras_hooks
 
 __all__ = ["ChiefTensorBoard"]
 
@@ -73,7 +73,7 @@ class ChiefTensorBoard(keras.callbacks.TensorBoard):
                 self.summary.text("reducer", str(reducer), step=epoch)
 
     def _kmirror_first_epoch(self) -> int:
-        return int(getattr(self.model, "_initial_epoch", None) or 0)
+        return keras_hooks.resumed_epoch(self.model)
 
     def _log_epoch_metrics(self, epoch, logs):
         super()._log_epoch_metrics(epoch, logs)

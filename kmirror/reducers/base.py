@@ -36,6 +36,10 @@ class Reducer:
     name: ClassVar[str] = ""
     #: Options this reducer accepts, by name (validated by `kmirror.reducers.get`).
     options: ClassVar[tuple[str, ...]] = ()
+    #: Whether this reducer's collectives can run inside Keras' loop over `steps_per_execution`
+    #: steps (a `tf.while_loop` with a `tf.cond`). When False, each of those steps is its own call
+    #: of the traced step (same result, one host round trip per step).
+    steps_in_one_call: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.strategy: tf.distribute.Strategy | None = None

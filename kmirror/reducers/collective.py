@@ -49,6 +49,9 @@ class Collective(Reducer):
 
     options = ("timeout_seconds",)
     name = "ring"
+    # TensorFlow's collective launcher keys each collective by an instance key captured when the
+    # step is called, which a step nested in Keras' while loop and condition cannot be fed.
+    steps_in_one_call = False
 
     def __init__(self, communication: str = "ring", timeout_seconds: float = 120.0) -> None:
         super().__init__()
