@@ -154,7 +154,15 @@ LAUNCHER_MISTAKES = [
 
 
 @pytest.mark.parametrize("arguments, message", LAUNCHER_MISTAKES)
-def test_launcher_mistakes_are_named(arguments, message):
+def test_launcher_mistakes_are_named(arguments, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        kmirror.launch.main(arguments)
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in stderr, stderr[-1000:]
+
+
+def test_the_launcher_command_exits_with_its_message():
+    arguments, message = LAUNCHER_MISTAKES[0]
     done = subprocess.run(
         [sys.executable, "-m", "kmirror.launch", *arguments],
         capture_output=True,
