@@ -130,12 +130,12 @@ def train(
     def local_step(local, total):
         (x, y, sample_weight), start = local
         loss, outputs, grads = gradients(x, y, sample_weight, start, total)
-        return loss, logged.local(y, outputs, sample_weight), grads
+        return logged.local(loss, y, outputs, sample_weight), grads
 
-    loss, local, grads = reducer.run(local_step, args=(shards, total))
+    local, grads = reducer.run(local_step, args=(shards, total))
     grads = _reduce(reducer, optimizer, grads, variables)
     reducer.run(lambda grads: optimizer.apply(grads, variables), args=(grads,))
-    return (reducer.sum(loss), *logged.combine(reducer, local))
+    return logged.combine(reducer, local)
 
 
 class Logged:
@@ -165,24 +165,28 @@ class Logged:
         states = metrics if metrics is not None and metrics.variables else None
         return cls(metrics=states, gather=False, gather_nested=compiled_loss)
 
-    def local(self, y, outputs, sample_weight) -> tuple:
-        """In replica context: what this replica contributes."""
+    def local(self, loss, y, outputs, sample_weight) -> tuple:
+        """In replica context: what this replica contributes (its loss part among them)."""
         y_pred, masks = outputs
         self.gather = self.gather or (self.gather_nested and tf.nest.is_nested(y_pred))
-        found = ()
-        if self.gather:
-            found += (outputs,)
-        if self.metrics is not None:
-            y_pred = keras_hooks.with_masks(y_pred, masks)
-            found += (metric_states.contribution(self.metrics, y, y_pred, sample_weight),)
-        return found
+        self.loss_dtype = loss.dtype
+        found = (outputs,) if self.gather else ()
+        if self.metrics is None:
+            return (*found, loss)
+        # The loss part travels with the metric contributions: one sum for both.
+        y_pred = keras_hooks.with_masks(y_pred, masks)
+        contribution = metric_states.contribution(self.metrics, y, y_pred, sample_weight)
+        return (*found, tf.concat([tf.reshape(tf.cast(loss, tf.float64), [1]), contribution], 0))
 
     def combine(self, reducer: Reducer, local: tuple) -> tuple:
-        """`(predictions or None, summed contributions or None)` from the replicas' values."""
+        """`(global loss, predictions or None, summed contributions or None)` from the
+        replicas' values."""
         local = iter(local)
         y_pred = _gathered(reducer, next(local)) if self.gather else None
-        summed = reducer.sum(next(local)) if self.metrics is not None else None
-        return y_pred, summed
+        total = reducer.sum(next(local))
+        if self.metrics is None:
+            return total, y_pred, None
+        return tf.cast(total[0], self.loss_dtype), y_pred, total[1:]
 
 
 def _gathered(reducer: Reducer, outputs):
@@ -258,10 +262,9 @@ def evaluate(model: keras.Model, reducer: Reducer, data: Any, logged: Logged | N
         with keras_hooks.replica(rows):
             y_pred = _call(model, x, training=False)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
-        return loss, logged.local(y, (y_pred, keras_hooks.masks_of(y_pred)), sample_weight)
+        return logged.local(loss, y, (y_pred, keras_hooks.masks_of(y_pred)), sample_weight)
 
-    loss, local = reducer.run(local_step, args=(shards, total))
-    return (reducer.sum(loss), *logged.combine(reducer, local))
+    return logged.combine(reducer, reducer.run(local_step, args=(shards, total)))
 
 
 def predict(model: keras.Model, reducer: Reducer, data: Any):
