@@ -92,8 +92,8 @@ class OneDevice(InProcessReducer):
     """Reduction to one device: every replica's gradient is copied to one device, summed there,
     and the sum is copied back.
 
-    Simple and correct everywhere; the default on CPUs. Its cost grows with the replica count,
-    since one device receives every gradient.
+    Simple and correct everywhere (`"auto"` picks `hierarchical_copy` on CPUs). Its cost grows
+    with the replica count, since one device receives every gradient.
 
     Example:
 
