@@ -374,7 +374,8 @@ class MirroredModel(keras.Model):
                 data_batch = next(batches)
                 break
         if replica_built and (compile_loss is None or compile_loss.built):
-            return self._build_metrics(data_batch)
+            self._build_metrics(data_batch)
+            return
         with self._reducer.scope():
             if not model_built or not (compile_loss is None or compile_loss.built):
                 keras_hooks.symbolic_build(replica, data_batch)

@@ -28,7 +28,16 @@ import tensorflow as tf
 from kmirror import keras_hooks, metric_states
 from kmirror.reducers.base import Reducer
 
-__all__ = ["shard", "split", "batch_size", "train", "evaluate", "predict"]
+__all__ = [
+    "shard",
+    "split",
+    "batch_size",
+    "train",
+    "evaluate",
+    "predict",
+    "Logged",
+    "one_call_per_step",
+]
 
 
 def batch_size(data: Any) -> tf.Tensor:
@@ -139,11 +148,12 @@ def train(
 
 
 class Logged:
-    """What a step hands back for the model's logs besides the loss.
+    """What a step hands back for the model's logs: the global loss, and
 
-    With `metrics` (compiled metrics whose states add up, `kmirror.metric_states`): each replica's
-    contribution to their state, summed over the replicas. With `gather`: the whole batch's
-    predictions, gathered in row order (for metrics and per-output losses that need them).
+    with `metrics` (compiled metrics whose states add up, `kmirror.metric_states`), each replica's
+    contribution to their states, summed over the replicas in the same all-reduce as the loss;
+    with `gather`, the whole batch's predictions, gathered in row order (for metrics and
+    per-output losses that need them).
     """
 
     def __init__(
