@@ -53,6 +53,7 @@ bench: install
 	$(PY) benchmarks/bench_compression.py
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_accumulation.py
+	$(PY) benchmarks/bench_large_output.py
 	$(PY) benchmarks/report.py
 
 soak: install

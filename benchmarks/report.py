@@ -180,6 +180,34 @@ def accumulation(results: dict) -> str:
     )
 
 
+def large_output(results: dict) -> str:
+    r = results["large_output"]
+    batch, length, classes = r["logits_per_batch"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(7, 3.2))
+    sides = ["native MirroredStrategy", "kmirror"]
+    left.bar(sides, [r["native_ms_per_step"], r["kmirror_ms_per_step"]], color=["gray", "C0"])
+    left.set(ylabel="ms / step", title="time per step")
+    right.bar(sides, [r["native_peak_mib"], r["kmirror_peak_mib"]], color=["gray", "C0"])
+    right.set(ylabel="MiB", title="peak resident memory")
+    save(fig, "large_output.png")
+    return (
+        f"### Large output ({r['replicas']} replicas, logits {batch} x {length} x {classes})\n\n"
+        + table(
+            ["", "native MirroredStrategy", "kmirror", "kmirror / native"],
+            [
+                ["ms per step", r["native_ms_per_step"], r["kmirror_ms_per_step"], r["time"]],
+                [
+                    "peak MiB",
+                    r["native_peak_mib"],
+                    r["kmirror_peak_mib"],
+                    r["peak_memory"],
+                ],
+            ],
+        )
+        + "\n\n![large output](img/benchmarks/large_output.png)\n"
+    )
+
+
 def save(fig, name: str) -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -202,6 +230,7 @@ def main():
         ("compression", compression),
         ("scaling", scaling),
         ("accumulation", accumulation),
+        ("large_output", large_output),
     ):
         if section in results:
             parts.append(render(results))
