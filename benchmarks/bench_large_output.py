@@ -19,9 +19,7 @@ Writes `"large_output": {"time": r, "peak_memory": r, ...}` to benchmarks/result
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -83,19 +81,12 @@ def child(side: str, devices: int, batches: int) -> None:
     model = build(side, simulated)
     x, y = token_data(batches)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
-    print(json.dumps({"peak_mib": common.peak_memory_mib()}))
+    common.print_peak_memory()
 
 
 def peak_of(side: str, devices: int, batches: int) -> float:
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", side, "--devices", str(devices)]
-        + ["--batches", str(batches)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    arguments = ["--child", side, "--devices", str(devices), "--batches", str(batches)]
+    return common.peak_memory_of(__file__, arguments, timeout=900)
 
 
 def main():

@@ -15,9 +15,7 @@ Writes `"wrapper_overhead": {reducer: kmirror_time / native_time}` and
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -62,28 +60,12 @@ def one_side(side: str, reducer: str, n: int, samples: int, steps: int) -> None:
     model, x, y = build(side, reducer, devices, samples)
     for _ in range(steps):
         common.seconds_per_step(model, x, y, BATCH)
-    print(json.dumps({"peak_mib": common.peak_memory_mib()}))
+    common.print_peak_memory()
 
 
 def peak_memory(side: str, reducer: str, n: int, samples: int) -> float:
-    done = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--child",
-            side,
-            reducer,
-            "--devices",
-            str(n),
-            "--samples",
-            str(samples),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    arguments = ["--child", side, reducer, "--devices", str(n), "--samples", str(samples)]
+    return common.peak_memory_of(__file__, arguments, timeout=600)
 
 
 def main():

@@ -87,6 +87,27 @@ def peak_memory_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+def print_peak_memory() -> None:
+    """In a child process: prints its peak resident memory for `peak_memory_of`."""
+    print(json.dumps({"peak_mib": peak_memory_mib()}))
+
+
+def peak_memory_of(script: str, arguments: list[str], timeout: float) -> float:
+    """Runs `script` with `arguments` in a fresh process (it ends with `print_peak_memory`) and
+    returns that process's peak resident memory in MiB."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, script, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
 def machine() -> dict:
     import tensorflow as tf
 
