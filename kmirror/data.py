@@ -52,6 +52,7 @@ __all__ = [
     "is_arrays",
     "unpack",
     "local_batch_count",
+    "on_devices",
     "COUNTED",
 ]
 
@@ -295,6 +296,46 @@ def unpack(data: Any) -> tuple[Any, Any]:
     if isinstance(data, dict) and set(data) == {_LOCAL}:
         return data[_LOCAL], COUNTED
     return data, None
+
+
+def on_devices(dataset: tf.data.Dataset, reducer) -> Any:
+    """`dataset`'s batches with each local replica's rows prefetched to its device ahead of the
+    step, as `tf.distribute` prefetches per-replica batches; `dataset` itself where the reducer
+    does not prefetch (`Reducer.batches_on_devices`) or its batches' place is found by counting.
+
+    Each element of the result is, per replica, its rows of one batch with their place
+    (`unpack`): the same rows and places as the step's own split of the host batch.
+    """
+    spec, place = unpack(dataset.element_spec)
+    if place is COUNTED or not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(spec)):
+        return dataset
+    count = len(reducer.devices)
+    per_replica = reducer.batches_on_devices(_replica_rows(dataset, count))
+    if per_replica is None:
+        return dataset
+    return keras_hooks.distributed_input(per_replica, int(dataset.cardinality()))
+
+
+def _replica_rows(dataset: tf.data.Dataset, count: int) -> tf.data.Dataset:
+    """Each batch of `dataset` as `count` elements: replica `r`'s rows of it, with their place."""
+
+    def replicas(batch):
+        rows, place = unpack(batch)
+        local = _rows(rows)
+        first, total = (tf.constant(0, tf.int64), local) if place is None else tf.unstack(place)
+
+        def replica(index):
+            start, stop = bounds(local, index, count)
+            mine = tf.nest.map_structure(lambda t: t[start:stop], rows)
+            return {_ROWS: mine, _PLACE: tf.stack([first + start, total])}
+
+        return tf.data.Dataset.range(count).map(replica)
+
+    batches = dataset.flat_map(lambda *batch: replicas(batch if len(batch) > 1 else batch[0]))
+    steps = int(dataset.cardinality())
+    if steps >= 0:
+        batches = batches.apply(tf.data.experimental.assert_cardinality(steps * count))
+    return batches
 
 
 def _rows(batch) -> tf.Tensor:

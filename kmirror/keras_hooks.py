@@ -14,7 +14,8 @@ Keras exposes none of these as public API, so this module replaces a few functio
 `keras.src` while a kmirror replica runs (elsewhere they behave exactly as Keras' own). It also
 holds every other use of Keras internals (a model's compile arguments and compiled loss, its
 symbolic build, copies brought up to date, Keras' saving cache, the epoch a restored `fit` starts
-at, the order in which Keras' array adapter draws rows, its class weights and validation split),
+at, the order in which Keras' array adapter draws rows, its class weights and validation split,
+the data adapter of a distributed dataset),
 so that it is the only module that touches them; kmirror's callbacks, which extend Keras'
 callback classes, also override the methods Keras' own subclasses override. Checked on Keras
 3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
@@ -41,7 +42,12 @@ from keras.src.ops import function as keras_function
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.compile_utils import CompileMetrics
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+from keras.src.trainers.data_adapters import (
+    array_data_adapter,
+    array_slicing,
+    data_adapter_utils,
+    tf_dataset_adapter,
+)
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import tracking as keras_tracking
 
@@ -194,6 +200,19 @@ def batch_order(num_samples: int, batch_size: int, shuffle) -> tf.data.Dataset:
         np.arange(num_samples, dtype=np.int64), batch_size=batch_size, shuffle=shuffle
     )
     return adapter.get_tf_dataset()
+
+
+def distributed_input(distributed, steps: int):
+    """What `fit` and `evaluate` take for a `tf.distribute` dataset yielding `steps` steps per
+    epoch (a dataset made with `distribute_datasets_from_function` counts its per-replica
+    elements instead; Keras takes a data adapter as `x` and reads the count from it)."""
+
+    class Adapter(tf_dataset_adapter.TFDatasetAdapter):
+        @property
+        def num_batches(self):
+            return steps if steps >= 0 else None
+
+    return Adapter(distributed)
 
 
 def class_weighted(y, class_weight):

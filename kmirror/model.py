@@ -36,6 +36,7 @@ def wrap(
     task_type: str | None = None,
     task_id: int | None = None,
     sync_batch_norm: bool = True,
+    prefetch: bool | None = None,
     **reducer_options: Any,
 ) -> MirroredModel:
     """Wraps a Keras model for synchronous data-parallel training on every local device.
@@ -74,6 +75,11 @@ def wrap(
         sync_batch_norm: BatchNormalization layers use the statistics of the global batch, as on
             one device (default). False: each replica normalises with its own rows' statistics,
             one all-reduce fewer per layer and step, but no longer the single-device result.
+        prefetch: with several replicas in one process, each replica's rows of the next batch
+            of a `tf.data` dataset or of arrays are copied to its device while the current step
+            runs, as `tf.distribute` does (the same rows, the same result). None (default): when
+            the replicas are GPUs; on CPU devices the copy is free and the extra input
+            pipeline per device only costs time.
         **reducer_options: options of the named reducer, e.g. `num_packs=2` for `"nccl"`.
 
     Returns:
@@ -107,7 +113,11 @@ def wrap(
         **reducer_options,
     )
     chosen.bind(devices=devices, num_gpus=num_gpus)
-    return MirroredModel(model, chosen, sync_batch_norm=sync_batch_norm)
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise ValueError(
+            f"prefetch must be True, False or None (prefetch on GPUs); got {prefetch!r}."
+        )
+    return MirroredModel(model, chosen, sync_batch_norm=sync_batch_norm, prefetch=prefetch)
 
 
 class MirroredModel(keras.Model):
@@ -133,10 +143,21 @@ class MirroredModel(keras.Model):
     ```
     """
 
-    def __init__(self, model: keras.Model, reducer: Reducer, sync_batch_norm: bool = True) -> None:
+    def __init__(
+        self,
+        model: keras.Model,
+        reducer: Reducer,
+        sync_batch_norm: bool = True,
+        prefetch: bool | None = None,
+    ) -> None:
         super().__init__(name=f"mirrored_{model.name}")
         self._reducer = reducer
         self._sync_batch_norm = bool(sync_batch_norm)
+        if prefetch is None:
+            prefetch = any(
+                tf.DeviceSpec.from_string(d).device_type == "GPU" for d in reducer.devices
+            )
+        self._prefetch = prefetch
         self._replica_jit_compile = False
         self._user_compile: dict[str, Any] | None = None
         self._synchronized = False  # every process has the chief's weights for this fit
@@ -457,6 +478,7 @@ class MirroredModel(keras.Model):
             arguments = self._rows_of_process(arguments, fit=True)
             self._check_local_batches(arguments)
             self._build_from_spec(arguments.get("x"))
+            arguments = self._on_devices(arguments)
             position = _Position()
             arguments["callbacks"] = [*(arguments.get("callbacks") or []), position]
             try:
@@ -473,13 +495,14 @@ class MirroredModel(keras.Model):
             )
             self._check_local_batches(arguments)
             self._build_from_spec(arguments.get("x"))
-            return super().evaluate(**arguments)
+            return super().evaluate(**self._on_devices(arguments))
 
     def _rows_of_process(self, arguments: dict, fit: bool = False) -> dict:
         """`fit`'s or `evaluate`'s arguments, arrays replaced by datasets of this process's rows
-        of each global batch when the job has several processes (`kmirror.data.arrays`)."""
+        of each global batch when the job has several processes (`kmirror.data.arrays`), or
+        datasets of the whole batches when they are to be prefetched to the replicas."""
         reducer = self._reducer
-        if reducer.num_processes == 1:
+        if reducer.num_processes == 1 and not (self._prefetch and reducer.num_replicas > 1):
             return arguments
         given = dict(arguments)
         where = {"index": reducer.process_index, "count": reducer.num_processes}
@@ -516,6 +539,17 @@ class MirroredModel(keras.Model):
                 batch_size=given.pop("validation_batch_size", None) or batch_size,
                 **where,
             )
+        return given
+
+    def _on_devices(self, arguments: dict) -> dict:
+        """`fit`'s or `evaluate`'s arguments, datasets replaced by their batches prefetched to the
+        replicas' devices (`kmirror.data.on_devices`) once the model is built from their spec."""
+        if not (self._prefetch and self._replica.built):
+            return arguments
+        given = dict(arguments)
+        for name in ("x", "validation_data"):
+            if isinstance(given.get(name), tf.data.Dataset):
+                given[name] = data_lib.on_devices(given[name], self._reducer)
         return given
 
     def _chief_prints(self, method, args, kwargs) -> dict:

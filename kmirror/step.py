@@ -65,7 +65,8 @@ def split(reducer: Reducer, data: Any, place: Any = None) -> Any:
     `place` says what `data` is (`kmirror.data.unpack`): None, the global batch (every process
     holds it whole); a tensor `[first row, global rows]`, this process's rows of the global batch;
     `COUNTED`, this process's rows of a global batch made of every process's rows (the replica
-    finds its place with `located`).
+    finds its place with `located`); per-replica values, each replica's rows already on its
+    device (`kmirror.data.on_devices`).
     """
     if place is None:
         total = batch_size(data)
@@ -76,6 +77,8 @@ def split(reducer: Reducer, data: Any, place: Any = None) -> Any:
 
         # tf.nest keeps None leaves (absent y or sample_weight) as they are.
         return reducer.distribute(rows_of)
+    if isinstance(place, tf.distribute.DistributedValues):  # already on the replicas' devices
+        return reducer.run(_with_place, args=(data, place))
     rows = batch_size(data)
     counted = place is data_lib.COUNTED
     first, total = (0, -1) if counted else tf.unstack(tf.cast(place, rows.dtype))
@@ -85,6 +88,11 @@ def split(reducer: Reducer, data: Any, place: Any = None) -> Any:
         return shard(data, index, count), first + start, total
 
     return reducer.distribute_local(local_rows)
+
+
+def _with_place(rows, place) -> tuple:
+    place = tf.cast(place, tf.int32)  # its shape is relaxed to (None,) by tf.distribute
+    return rows, place[0], place[1]
 
 
 def located(reducer: Reducer, rows) -> tuple:
@@ -181,6 +189,8 @@ def global_rows(reducer: Reducer, data: Any, place: Any = None) -> tf.Tensor:
     """The rows of the global batch of which `data` holds all (place None) or its process's."""
     if place is None:
         return batch_size(data)
+    if isinstance(place, tf.distribute.DistributedValues):
+        return tf.cast(reducer.local_values(place)[0][1], tf.int32)
     if place is not data_lib.COUNTED:
         return tf.cast(place[1], tf.int32)
     shards = split(reducer, data, place)

@@ -229,6 +229,23 @@ FEATURES = {
 }
 
 
+#: The features that also run prefetched to the replicas' devices (tests/test_features.py): one of
+#: each way a batch reaches the step (dicts of inputs and outputs with sample weights, masks,
+#: a replica without rows, Keras' loop of steps) and each use of a replica's place in the batch
+#: (random rows, the global batch's statistics and normalisers, a model's own steps).
+PREFETCHED = [
+    "multi_io_adam",
+    "masked_loss",
+    "mean_with_sample_weight",
+    "batch_norm",
+    "dropout",
+    "accumulation",
+    "own_train_step",
+    "gan",
+    "steps_per_execution",
+    "batch_smaller_than_replicas",
+]
+
 #: The features the multi-process jobs run (Horovod ranks, ring workers): all of them.
 MULTI_PROCESS = sorted(FEATURES)
 

@@ -89,6 +89,7 @@ BAD_INPUT_ELSEWHERE = [
     "tests/test_data.py::test_predict_on_a_sharded_dataset_says_to_pass_the_inputs",
     "tests/test_horovod.py::test_processes_whose_own_batches_differ_in_number_are_refused",
     "tests/test_multi_worker.py::test_processes_whose_own_batches_differ_in_number_are_refused",
+    "tests/test_prefetch.py::test_prefetch_must_be_a_boolean_or_none",
 ]
 #: Every fault case (the table of docs/reliability.md).
 FAULTS = [

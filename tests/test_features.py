@@ -1,6 +1,8 @@
 """Exact for the Keras features real models compile with: each feature of tests/features.py trains
 on 2 and 3 in-process replicas exactly as on one device with the same global batch (batches of 33:
-not divisible by 2 or 3, a final batch of 2, so one of 3 replicas gets no rows).
+not divisible by 2 or 3, a final batch of 2, so one of 3 replicas gets no rows), with each
+replica's rows split from the host batch inside the step; the features of `PREFETCHED` also with
+the rows prefetched to the replicas' devices ahead of it (`prefetch=True`, the default on GPUs).
 
 Multi-process reducers run the same features in tests/test_horovod.py and
 tests/test_multi_worker.py.
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from features import EPOCHS, FEATURES, dense, fit
+from features import EPOCHS, FEATURES, PREFETCHED, dense, fit
 from models import assert_same_history, max_weight_difference
 
 import kmirror
@@ -26,12 +28,23 @@ def reference(name: str):
     return model, fit(model, feature)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("name", sorted(FEATURES))
-def test_feature_equals_single_device(name, n):
+CASES = [(name, n, False) for name in sorted(FEATURES) for n in (2, 3)]
+# Prefetched on 3 replicas, the case with uneven shares and a replica without rows (2 replicas:
+# tests/test_prefetch.py).
+CASES += [(name, 3, True) for name in PREFETCHED]
+
+
+@pytest.mark.parametrize(
+    "name, n, prefetch",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}" + ("-prefetched" if c[2] else "") for c in CASES],
+)
+def test_feature_equals_single_device(name, n, prefetch):
     feature = FEATURES[name]
     expected, expected_history = reference(name)
-    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(n))
+    model = kmirror.wrap(
+        feature.build(), reducer="hierarchical_copy", devices=cpus(n), prefetch=prefetch
+    )
     history = fit(model, feature)
 
     assert max_weight_difference(expected, model) < feature.tolerance

@@ -108,6 +108,12 @@ class Reducer:
             lambda ctx: shard_fn(ctx.replica_id_in_sync_group % count, count)
         )
 
+    def batches_on_devices(self, dataset: tf.data.Dataset) -> Any | None:
+        """`dataset`'s consecutive elements handed to the local replicas in turn, each prefetched
+        to its replica's device ahead of the step; None where this reducer does not prefetch
+        (the step then takes each replica's rows of the host batch)."""
+        return None
+
     def replica_index(self) -> tf.Tensor:
         """In replica context: this replica's index among all replicas of the job."""
         return tf.distribute.get_replica_context().replica_id_in_sync_group

@@ -27,6 +27,13 @@ class InProcessReducer(Reducer):
         self.check_devices(devices)
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=self.cross_device_ops())
 
+    def batches_on_devices(self, dataset: tf.data.Dataset):
+        if self.num_replicas < 2:
+            return None
+        # tf.distribute's input pipeline: one iterator per device, each element copied to its
+        # device while the previous step runs.
+        return self.strategy.distribute_datasets_from_function(lambda _: dataset)
+
 
 class _Packing(InProcessReducer):
     """An all-reduce that concatenates gradients into `num_packs` packs first."""
