@@ -53,6 +53,7 @@ __all__ = [
     "unpack",
     "local_batch_count",
     "on_devices",
+    "resumed",
     "COUNTED",
 ]
 
@@ -314,6 +315,46 @@ def on_devices(dataset: tf.data.Dataset, reducer) -> Any:
     if per_replica is None:
         return dataset
     return keras_hooks.distributed_input(per_replica, int(dataset.cardinality()))
+
+
+def resumed(dataset: tf.data.Dataset, epoch: int, step: int) -> Any:
+    """`dataset` as `fit` reads it when resuming `step` batches into epoch `epoch` (0-based): the
+    first pass skips the `step` batches already trained, later passes are whole, and each draws
+    what the uninterrupted run drew: the passes that run began and this one did not are begun
+    and left unread, so that a reshuffling dataset's seed stands where it stood."""
+    return keras_hooks.distributed_input(_Resumed(dataset, epoch, step), int(dataset.cardinality()))
+
+
+class _Resumed(tf.distribute.DistributedDataset):
+    """A dataset whose first pass starts inside an epoch (Keras begins passes with `iter`)."""
+
+    def __init__(self, dataset: tf.data.Dataset, epoch: int, step: int) -> None:
+        self._dataset = dataset
+        self._passes = 0
+        self._resume = (epoch, step)
+
+    def __iter__(self):
+        self._passes += 1
+        epoch, step = self._resume
+        if self._passes == 1:
+            self._begin(keras_hooks.passes_begun_before(epoch))
+            return iter(self._dataset.skip(step))
+        if self._passes == 2 and step:
+            # The resumed epoch ran out of batches early: Keras did not begin the pass it begins
+            # at the end of a whole epoch.
+            self._begin(1)
+        return iter(self._dataset)
+
+    def _begin(self, passes: int) -> None:
+        for _ in range(passes):
+            iter(self._dataset)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def reduce(self, initial_state, reduce_func):
+        return self._dataset.reduce(initial_state, reduce_func)
 
 
 def _replica_rows(dataset: tf.data.Dataset, count: int) -> tf.data.Dataset:

@@ -23,7 +23,7 @@ class PeerLost(RuntimeError):
     """Another process of a multi-process job stopped, so this one cannot go on.
 
     Relaunch every process; with `kmirror.callbacks.BackupAndRestore` training resumes from the
-    last completed epoch.
+    chief's last backup.
     """
 
 

@@ -15,7 +15,7 @@ Keras exposes none of these as public API, so this module replaces a few functio
 holds every other use of Keras internals (a model's compile arguments and compiled loss, its
 symbolic build, copies brought up to date, Keras' saving cache, the epoch a restored `fit` starts
 at, the order in which Keras' array adapter draws rows, its class weights and validation split,
-the data adapter of a distributed dataset),
+the data adapter of a distributed dataset, the passes Keras begins over a dataset),
 so that it is the only module that touches them; kmirror's callbacks, which extend Keras'
 callback classes, also override the methods Keras' own subclasses override. Checked on Keras
 3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
@@ -213,6 +213,14 @@ def distributed_input(distributed, steps: int):
             return steps if steps >= 0 else None
 
     return Adapter(distributed)
+
+
+def passes_begun_before(epoch: int) -> int:
+    """How many passes over a dataset Keras' fit has begun before the pass epoch `epoch` trains
+    on: its epoch iterator begins one at the start of every epoch, and one more at the end of an
+    epoch that used all its batches (left unused, since the next epoch begins its own). What a
+    reshuffling `tf.data` dataset's order depends on."""
+    return 2 * epoch
 
 
 def class_weighted(y, class_weight):

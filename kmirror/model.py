@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from kmirror import cluster, copying, errors, keras_hooks, metric_states, own_step, reducers, step
 from kmirror import data as data_lib
+from kmirror.callbacks.backup import BackupAndRestore, Position
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel", "wrap"]
@@ -162,6 +163,7 @@ class MirroredModel(keras.Model):
         self._user_compile: dict[str, Any] | None = None
         self._synchronized = False  # every process has the chief's weights for this fit
         self._seeded = False  # every process draws the same random numbers
+        self._draw_in_python = False  # batches drawn in Python, a step per call (see fit)
         #: `local_batches` datasets whose batch counts the processes compared.
         self._counted = weakref.WeakSet()
         # The plain model `save` writes (see _plain_copy), held where Keras does not track it as
@@ -475,18 +477,37 @@ class MirroredModel(keras.Model):
                 self._reducer.agree_on_seed()
                 self._seeded = True
             arguments = self._chief_prints(keras.Model.fit, args, kwargs)
-            arguments = self._rows_of_process(arguments, fit=True)
+            resume = self._agree_on_resume(arguments)
+            skipping = resume is not None and resume.step > 0
+            arguments = self._rows_of_process(arguments, fit=True, skipping=skipping)
             self._check_local_batches(arguments)
             self._build_from_spec(arguments.get("x"))
-            arguments = self._on_devices(arguments)
+            if resume is None:
+                arguments = self._on_devices(arguments)
+            elif isinstance(arguments.get("x"), tf.data.Dataset):
+                # Not prefetched: the resumed pass is this dataset's own.
+                arguments["x"] = data_lib.resumed(arguments["x"], resume.epoch, resume.step)
             position = _Position()
             arguments["callbacks"] = [*(arguments.get("callbacks") or []), position]
+            # The resumed epoch is shorter than the others. Keras' step function would find its
+            # end inside the graph, after advancing the optimizer's step counter; drawn in Python,
+            # each batch is there before its step starts (the step itself is the same).
+            self._draw_in_python = skipping
+            if skipping:
+                self.train_function = None
             try:
-                return super().fit(**arguments)
+                with warnings.catch_warnings():
+                    if skipping:
+                        warnings.filterwarnings("ignore", message="Your input ran out of data")
+                    return super().fit(**arguments)
             except tf.errors.InvalidArgumentError as error:
                 if _NON_FINITE not in str(error):
                     raise
                 raise errors.NonFiniteLoss(position.describe_non_finite()) from None
+            finally:
+                if self._draw_in_python:
+                    self._draw_in_python = False
+                    self.train_function = None  # the next fit traces Keras' loop again
 
     def evaluate(self, *args, **kwargs):
         with self._reducer.failures():
@@ -497,12 +518,69 @@ class MirroredModel(keras.Model):
             self._build_from_spec(arguments.get("x"))
             return super().evaluate(**self._on_devices(arguments))
 
-    def _rows_of_process(self, arguments: dict, fit: bool = False) -> dict:
+    def _agree_on_resume(self, arguments: dict):
+        """The position every process resumes from: the chief's newest intact backup of the
+        `BackupAndRestore` among the callbacks (other processes' folders are not read), or None.
+        Inside an epoch only for input whose batches can be skipped (numpy arrays, `tf.data`)."""
+        callbacks = arguments.get("callbacks") or []
+        backup = next((c for c in callbacks if isinstance(c, BackupAndRestore)), None)
+        if backup is None:
+            return None
+        found, error = None, None
+        if self.is_chief:
+            try:
+                found = backup.latest()
+            except ValueError as problem:
+                error = problem
+        # Other processes offer values below any the chief can, so the largest is the chief's.
+        mine = (-3, 0) if error else (found[0] if found else (-1, 0))
+        epoch = max(self._reducer.gather_counts(mine[0] if self.is_chief else -4))
+        step = max(self._reducer.gather_counts(mine[1] if self.is_chief else -1))
+        if error is not None:
+            raise error
+        if epoch == -3:
+            raise ValueError(
+                "kmirror.callbacks.BackupAndRestore: the chief's backup cannot be resumed; its "
+                "error names the fix."
+            )
+        if epoch < 0:
+            backup.resume_from(None, None)
+            return None
+        if step and not self._skippable(arguments):
+            warnings.warn(
+                f"kmirror: training resumes at the start of epoch {epoch + 1}, whose first "
+                f"{step} batch(es) were trained before the interruption: only numpy arrays and "
+                "tf.data datasets without steps_per_epoch resume inside an epoch.",
+                stacklevel=3,
+            )
+            step = 0
+        position = Position(epoch, step)
+        backup.resume_from(position, found[1] if found else None)
+        return position
+
+    @staticmethod
+    def _skippable(arguments: dict) -> bool:
+        if arguments.get("steps_per_epoch"):
+            return False
+        x = arguments.get("x")
+        if isinstance(x, tf.data.Dataset):
+            return True
+        return data_lib.is_arrays(x, arguments.get("y"), arguments.get("sample_weight"))
+
+    def take_chief_state(self) -> None:
+        """Every process takes the chief's weights and optimizer state (after the chief loaded
+        a backup); a no-op within one process."""
+        self._synchronized = False
+        self._synchronize()
+
+    def _rows_of_process(self, arguments: dict, fit: bool = False, skipping: bool = False) -> dict:
         """`fit`'s or `evaluate`'s arguments, arrays replaced by datasets of this process's rows
         of each global batch when the job has several processes (`kmirror.data.arrays`), or
-        datasets of the whole batches when they are to be prefetched to the replicas."""
+        datasets of the whole batches when they are to be prefetched to the replicas or resumed
+        inside an epoch (`skipping`)."""
         reducer = self._reducer
-        if reducer.num_processes == 1 and not (self._prefetch and reducer.num_replicas > 1):
+        prefetched = self._prefetch and reducer.num_replicas > 1
+        if reducer.num_processes == 1 and not (prefetched or skipping):
             return arguments
         given = dict(arguments)
         where = {"index": reducer.process_index, "count": reducer.num_processes}
@@ -572,7 +650,7 @@ class MirroredModel(keras.Model):
     def make_train_function(self, force=False):
         if force or self.train_function is None:
             super().make_train_function(force=True)
-            if self._one_call_per_step():
+            if self._one_call_per_step(training=True):
                 self.train_function = step.one_call_per_step(
                     self.train_step, self.steps_per_execution, self.run_eagerly
                 )
@@ -589,7 +667,9 @@ class MirroredModel(keras.Model):
         self._synchronize()
         return self.test_function
 
-    def _one_call_per_step(self) -> bool:
+    def _one_call_per_step(self, training: bool = False) -> bool:
+        if training and self._draw_in_python:
+            return True
         return not self._reducer.steps_in_one_call and self.steps_per_execution > 1
 
     def make_predict_function(self, force=False):

@@ -5,9 +5,12 @@
     python -m kmirror.launch --workers 2 callbacks_job.py MODE OUT ring
 
 MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, and an early-stopped run.
-MODE "backup": 5 epochs with BackupAndRestore(OUT/backup); with KMIRROR_TEST_CRASH=<rank> that
-rank kills itself in the middle of epoch 4, unless OUT/crashed exists (the relaunch).
-Results go to OUT/<mode>-rank<r>.pkl.
+MODE "backup": 5 epochs of 4 batches, in order then shuffled, with
+BackupAndRestore(OUT/backup<rank>, save_freq=2): each process has its own folder, as without a
+shared filesystem. With KMIRROR_TEST_CRASH=<rank> that rank kills itself after batch 2 of epoch 4
+(batches 0 and 1 are backed up) of each training, once (OUT/crashed-<ordered|shuffled> marks it);
+a training finished at an earlier launch is not run again.
+Results go to OUT/<mode>-rank<r>.pkl (OUT/backup-<ordered|shuffled>-rank<r>.pkl).
 """
 
 import os
@@ -39,13 +42,13 @@ def make():
     return kmirror.wrap(dense_model("sgd", seed=1 + 10 * rank), reducer=reducer)
 
 
-def fit(model, epochs, callbacks, **kwargs):
+def fit(model, epochs, callbacks, shuffle=False, **kwargs):
     return model.fit(
         x,
         y,
         batch_size=BATCH,
         epochs=epochs,
-        shuffle=False,
+        shuffle=shuffle,
         verbose=0,
         validation_data=(xv, yv),
         callbacks=callbacks,
@@ -54,12 +57,16 @@ def fit(model, epochs, callbacks, **kwargs):
 
 
 class CrashMidEpoch(keras.callbacks.Callback):
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.epoch == 3 and batch == 1:
-            (out / "crashed").touch()
+        if self.epoch == 3 and batch == 2:
+            self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -79,13 +86,31 @@ if mode == "callbacks":
     stopped = fit(make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)])
     results["early_stopped_epochs"] = len(stopped["loss"])
 elif mode == "backup":
-    callbacks = [kmirror.callbacks.BackupAndRestore(out / "backup")]
-    if os.environ.get("KMIRROR_TEST_CRASH") == str(rank) and not (out / "crashed").exists():
-        callbacks.append(CrashMidEpoch())
-    model = make()
-    results["history"] = fit(model, 5, callbacks)
-    results["weights"] = model.get_weights()
-    results["optimizer"] = [v.numpy() for v in model.optimizer.variables]
+    for scenario in ("ordered", "shuffled"):
+        done = out / f"backup-{scenario}-rank{rank}.pkl"
+        if done.exists():  # finished at an earlier launch
+            continue
+        backup = kmirror.callbacks.BackupAndRestore(out / f"backup{rank}", save_freq=2)
+        crashed = out / f"crashed-{scenario}"
+        crash = os.environ.get("KMIRROR_TEST_CRASH") == str(rank) and not crashed.exists()
+        model = make()
+        keras.utils.set_random_seed(7)  # the processes agree on the shuffle seed drawn from it
+        history = fit(
+            model,
+            5,
+            [backup, *([CrashMidEpoch(crashed)] if crash else [])],
+            shuffle=scenario == "shuffled",
+        )
+        with open(done, "wb") as f:
+            pickle.dump(
+                {
+                    "history": history,
+                    "weights": model.get_weights(),
+                    "optimizer": [v.numpy() for v in model.optimizer.variables],
+                },
+                f,
+            )
 
-with open(out / f"{mode}-rank{rank}.pkl", "wb") as f:
-    pickle.dump(results, f)
+if mode == "callbacks":
+    with open(out / f"{mode}-rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)

@@ -229,18 +229,14 @@ FEATURES = {
 }
 
 
-#: The features that also run prefetched to the replicas' devices (tests/test_features.py): one of
-#: each way a batch reaches the step (dicts of inputs and outputs with sample weights, masks,
-#: a replica without rows, Keras' loop of steps) and each use of a replica's place in the batch
-#: (random rows, the global batch's statistics and normalisers, a model's own steps).
+#: The features that also run prefetched to the replicas' devices (tests/test_features.py): the
+#: ways a batch reaches the step (dicts of inputs and outputs with sample weights, a replica
+#: without rows, Keras' loop of steps, a model's own steps) and the uses of a replica's place in
+#: the batch (its rows of the random draws, the global batch's statistics and normalisers).
 PREFETCHED = [
     "multi_io_adam",
-    "masked_loss",
-    "mean_with_sample_weight",
     "batch_norm",
     "dropout",
-    "accumulation",
-    "own_train_step",
     "gan",
     "steps_per_execution",
     "batch_smaller_than_replicas",

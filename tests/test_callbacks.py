@@ -2,6 +2,7 @@
 (2 simulated devices), under Horovod (2 ranks) and with 2 multi-worker workers."""
 
 import functools
+import json
 import os
 import pickle
 import subprocess
@@ -149,32 +150,41 @@ def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
     assert epochs == [len(reference.history["loss"])] * len(ranks)
 
 
-@pytest.mark.parametrize("reducer", MODES)
+# In one process: tests/test_backup.py.
+@pytest.mark.parametrize("reducer", ["horovod", "ring"])
 def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tmp_path):
+    """Rank 1 is killed inside epoch 4 of a training in order, then of a shuffled one; each
+    relaunch resumes from the chief's backup of that epoch's first 2 batches (rank 1's own folder
+    is empty) and ends as the uninterrupted run."""
     whole = tmp_path / "uninterrupted"
     done = run_job("backup", whole, reducer)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not (whole / "backup").exists(), "the backup is removed after a normal end"
+    assert not (whole / "backup0").exists(), "the backup is removed after a normal end"
 
     crashing = tmp_path / "crashing"
-    crash = {"KMIRROR_TEST_CRASH": "0" if reducer == "one_device" else "1"}
-    first = run_job("backup", crashing, reducer, env=crash)
-    assert first.returncode != 0 and (crashing / "crashed").exists()
-    assert (crashing / "backup" / "backup.json").exists()
-    second = run_job("backup", crashing, reducer, env=crash)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    crash = {"KMIRROR_TEST_CRASH": "1"}
+    for scenario in ("ordered", "shuffled"):
+        first = run_job("backup", crashing, reducer, env=crash)
+        assert first.returncode != 0 and (crashing / f"crashed-{scenario}").exists()
+        index = json.loads((crashing / "backup0" / "backup.json").read_text())
+        assert (index["epoch"], index["step"]) == (3, 2)
+        assert not (crashing / "backup1").exists(), "only the chief writes"
+    last = run_job("backup", crashing, reducer, env=crash)
+    assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
 
-    for expected, resumed in zip(
-        results(whole, "backup", reducer), results(crashing, "backup", reducer)
-    ):
-        assert len(resumed["history"]["loss"]) == 2, "the relaunch resumes at epoch 4 of 5"
-        np.testing.assert_allclose(
-            resumed["history"]["loss"], expected["history"]["loss"][3:], rtol=1e-6
-        )
-        for a, b in zip(resumed["weights"], expected["weights"]):
-            np.testing.assert_allclose(a, b, atol=1e-6)
-        for a, b in zip(resumed["optimizer"], expected["optimizer"]):
-            np.testing.assert_allclose(a, b, atol=1e-6)
+    for scenario in ("ordered", "shuffled"):
+        mode = f"backup-{scenario}"
+        for expected, resumed in zip(
+            results(whole, mode, reducer), results(crashing, mode, reducer)
+        ):
+            assert len(resumed["history"]["loss"]) == 2, "the relaunch resumes in epoch 4 of 5"
+            np.testing.assert_allclose(
+                resumed["history"]["loss"][-1], expected["history"]["loss"][-1], rtol=1e-6
+            )
+            for a, b in zip(resumed["weights"], expected["weights"]):
+                np.testing.assert_allclose(a, b, atol=1e-6)
+            for a, b in zip(resumed["optimizer"], expected["optimizer"]):
+                np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):

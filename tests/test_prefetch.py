@@ -83,16 +83,11 @@ def test_a_prefetched_fit_takes_no_row_from_the_host_batch():
         np.testing.assert_allclose(list(logs.values()), list(expected_logs.values()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_prefetched_arrays_with_shuffle_class_weight_and_validation_split(replicas):
+def test_prefetched_arrays_with_shuffle_and_class_weight():
+    replicas = 3  # a final batch of 2: one replica without rows
     x, y = dense_data()
     arguments = dict(
-        batch_size=BATCH,
-        epochs=2,
-        shuffle=True,
-        class_weight={0: 1.0, 1: 2.0, 2: 0.5},
-        validation_split=0.25,
-        verbose=0,
+        batch_size=BATCH, epochs=2, shuffle=True, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, verbose=0
     )
     keras.utils.set_random_seed(4)
     reference = dense_model("adam")
@@ -107,8 +102,8 @@ def test_prefetched_arrays_with_shuffle_class_weight_and_validation_split(replic
     assert_same_history(expected, history)
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_a_prefetched_seeded_shuffle_and_shard_give_one_device(replicas):
+def test_a_prefetched_seeded_shuffle_and_shard_give_one_device():
+    replicas = 2
     """A reshuffled tf.data pipeline (seeded) and a `kmirror.data.shard` dataset, prefetched."""
     x, y = dense_data()
 

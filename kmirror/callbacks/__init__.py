@@ -4,7 +4,7 @@
 |---|---|
 | `ChiefCheckpoint` | Keras' ModelCheckpoint, chief-only and atomic |
 | `ChiefTensorBoard` | Keras' TensorBoard, chief-only, plus samples/s, step time, replicas |
-| `BackupAndRestore` | resume after a crash from the last completed epoch |
+| `BackupAndRestore` | resume after a crash where the last backup was taken, inside an epoch too |
 
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
 process, so `EarlyStopping` stops every process at the same epoch. A NaN or infinite loss stops

@@ -1,88 +1,232 @@
-"""BackupAndRestore: resume training after a crash, from the last completed epoch."""
+"""BackupAndRestore: resume after a crash where training stopped, to the uninterrupted result."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import keras
 
 from kmirror import cluster, keras_hooks
 from kmirror.files import atomic_path, check_writable
 
-__all__ = ["BackupAndRestore"]
+__all__ = ["BackupAndRestore", "Position"]
+
+
+class Position(NamedTuple):
+    """Where training stands: `step` batches of epoch `epoch` (0-based) are trained."""
+
+    epoch: int
+    step: int
 
 
 class BackupAndRestore(keras.callbacks.Callback):
-    """Backs training up at the end of every epoch; after a crash, the relaunched script resumes.
+    """Backs training up as it goes; after a crash, the relaunched script resumes where it was.
 
-    The chief writes the backup (weights, optimizer state and the epoch counter) into `backup_dir`;
-    on the next `fit`, every process restores it and training continues from the epoch after the
-    last completed one, ending with the weights an uninterrupted run would have. A backup is a
-    weights file and a small `backup.json` that names it, each written under a temporary name and
-    renamed into place, so a crash at any moment leaves a complete, consistent backup. The backup
-    is deleted when training ends normally.
+    Keras' `BackupAndRestore`, with the same arguments, for data-parallel training: the chief
+    writes the backup (weights, optimizer state, and how far training got) into `backup_dir`; on
+    the next `fit`, every process resumes from the chief's backup, which the chief sends to the
+    others (their own folders may be empty: no shared filesystem is needed). With `save_freq`
+    a number of batches, a `kmirror.wrap` model resumes inside the interrupted epoch: it skips the
+    batches already trained and draws the others as the uninterrupted run does, and ends with its
+    weights and optimizer state (Keras restarts the interrupted epoch). The batches are skipped
+    exactly for numpy arrays and `tf.data` datasets (a seeded `shuffle` included); a `PyDataset`,
+    a generator, or `fit(steps_per_epoch=...)` restart the interrupted epoch, with a warning.
 
-    With `shuffle=True`, the order of the samples after a resume differs from the uninterrupted
-    run's (Keras draws a new order each epoch from its random state); the model trains on the
-    same data but not bit for bit the same way. Shuffle with a `tf.data` pipeline seeded per epoch
-    for exact resumption.
+    A backup is a weights file and a small `backup.json` naming it with a checksum, each written
+    under a temporary name and renamed into place, so a crash at any moment leaves a complete
+    backup. The backup is deleted when training ends normally (unless `delete_checkpoint=False`).
 
     Example:
 
     ```python
-    model.fit(x, y, epochs=20, callbacks=[kmirror.callbacks.BackupAndRestore("/tmp/backup")])
-    # ... the process is killed in epoch 7; run the same script again: it resumes at epoch 7.
+    backup = kmirror.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)
+    model.fit(x, y, epochs=20, callbacks=[backup])
+    # ... the process is killed in epoch 7; run the same script again: it resumes there.
     ```
 
     Args:
         backup_dir: a folder for the backup, used by this training run alone.
-        save_freq: "epoch" (the only choice: a backup holds completed epochs).
+        save_freq: "epoch" (back up at the end of every epoch), a number of batches between
+            backups, or False (no backups written; an existing one is still restored).
+        double_checkpoint: keep the previous backup too, and resume from it when the latest one
+            is missing or corrupt (twice the disk space).
         delete_checkpoint: remove the backup when training ends normally.
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint: bool = True) -> None:
+    def __init__(
+        self, backup_dir, save_freq="epoch", double_checkpoint=False, delete_checkpoint=True
+    ) -> None:
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
-        if save_freq != "epoch":
+        periodic = isinstance(save_freq, int) and not isinstance(save_freq, bool)
+        if not (save_freq == "epoch" or save_freq is False or (periodic and save_freq >= 1)):
             raise ValueError(
-                f"BackupAndRestore backs up completed epochs: save_freq must be 'epoch'; "
-                f"got {save_freq!r}."
+                f"BackupAndRestore: save_freq must be 'epoch', a number of batches >= 1, or False "
+                f"(no backups); got {save_freq!r}."
             )
         self.backup_dir = Path(backup_dir)
-        self.delete_checkpoint = delete_checkpoint
+        self.save_freq = save_freq
+        self._every = save_freq if periodic else None  # batches between backups
+        self.double_checkpoint = bool(double_checkpoint)
+        self.delete_checkpoint = bool(delete_checkpoint)
         self._index = self.backup_dir / "backup.json"
+        #: Set by a kmirror model's fit: the position every process resumes from, and the file.
+        self._agreed: tuple[Position, Path | None] | None = None
+        self._position = Position(0, 0)
+        self._first_step = 0  # batches of the current epoch trained before this fit
+        self._since_backup = 0
+        self._backed_up: Position | None = None
 
-    def on_train_begin(self, logs=None):
-        if cluster.is_chief(self.model):
-            check_writable(self.backup_dir, "backups")
+    # -- what a relaunch resumes from ----------------------------------------------------------
+    def latest(self) -> tuple[Position, Path] | None:
+        """The newest intact backup in `backup_dir` (the previous one when the latest is corrupt
+        and `double_checkpoint` kept it); None when there is none."""
         if not self._index.exists():
-            return
-        state = json.loads(self._index.read_text())
+            return None
+        try:
+            state = json.loads(self._index.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(self._corrupt(f"{self._index} cannot be read ({error})")) from None
+        entries = [state, *([state["previous"]] if state.get("previous") else [])]
+        for number, entry in enumerate(entries):
+            weights = self.backup_dir / entry["weights"]
+            expected = entry.get("sha256")
+            if weights.exists() and (expected is None or _digest(weights) == expected):
+                return Position(entry["epoch"], entry["step"]), weights
+            more = number + 1 < len(entries)
+            warnings.warn(
+                f"kmirror: the backup {weights} is missing or corrupt"
+                + ("; resuming from the previous backup." if more else "."),
+                stacklevel=2,
+            )
+        raise ValueError(self._corrupt(f"{entries[-1]['weights']} is missing or corrupt"))
+
+    def _corrupt(self, what: str) -> str:
+        fallback = (
+            ""
+            if self.double_checkpoint
+            else (", or pass double_checkpoint=True to keep a previous backup to fall back to")
+        )
+        return (
+            f"kmirror.callbacks.BackupAndRestore: the backup in {self.backup_dir} cannot be "
+            f"resumed: {what}. Delete the folder to train from the start{fallback}."
+        )
+
+    def resume_from(self, position: Position | None, weights: Path | None) -> None:
+        """Called by a kmirror model's `fit` before training, on every process: the chief's
+        position (None: no backup), and this process's file to load (the chief's only)."""
+        self._agreed = None if position is None else (position, weights)
+
+    # -- Keras' callback hooks -----------------------------------------------------------------
+    def on_train_begin(self, logs=None):
         model = self.model
+        if cluster.is_chief(model):
+            check_writable(self.backup_dir, "backups")
+        agreed, self._agreed = self._agreed, None
+        if agreed is None and not hasattr(model, "take_chief_state"):
+            agreed = self._for_plain_model()
+        self._since_backup, self._backed_up, self._first_step = 0, None, 0
+        if agreed is None:
+            return
+        position, weights = agreed
         if model.optimizer is not None and not model.optimizer.built:
             raise ValueError("BackupAndRestore needs a built model; call it on a batch first.")
-        model.load_weights(self.backup_dir / state["weights"])
-        keras_hooks.resume_at_epoch(model, state["epoch"])
+        if weights is not None:
+            model.load_weights(weights)
+        if hasattr(model, "take_chief_state"):
+            model.take_chief_state()  # every process: the chief's loaded state
+        keras_hooks.resume_at_epoch(model, position.epoch)
+        self._position = position
+        self._first_step = position.step
+        self._backed_up = position
+
+    def _for_plain_model(self):
+        """A model kmirror does not train resumes at the start of the interrupted epoch."""
+        found = self.latest()
+        if found is None:
+            return None
+        position, weights = found
+        if position.step:
+            warnings.warn(
+                f"kmirror: this model is not a kmirror.wrap model: training restarts epoch "
+                f"{position.epoch + 1} from its first batch, as Keras' BackupAndRestore does.",
+                stacklevel=2,
+            )
+        return Position(position.epoch, 0), weights
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self._position.epoch:
+            self._first_step = 0
+        self._position = Position(epoch, self._first_step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        # `batch` is the last batch of the call (several with steps_per_execution).
+        step = self._first_step + batch + 1
+        self._since_backup += step - self._position.step
+        self._position = Position(self._position.epoch, step)
+        if self._every is not None and self._since_backup >= self._every:
+            self._back_up(self._position)
 
     def on_epoch_end(self, epoch, logs=None):
-        if not cluster.is_chief(self.model):
-            return
-        weights = f"epoch-{epoch + 1:05d}.weights.h5"
-        with atomic_path(self.backup_dir / weights) as partial:
-            self.model.save_weights(partial, overwrite=True)
-        with atomic_path(self._index) as partial, open(partial, "w") as f:
-            json.dump({"epoch": epoch + 1, "weights": weights}, f)
-        for old in self.backup_dir.glob("epoch-*.weights.h5"):
-            if old.name != weights:
-                old.unlink(missing_ok=True)
+        done = Position(epoch + 1, 0)
+        if self.save_freq == "epoch":
+            self._back_up(done)
+        elif self._every and self._backed_up == self._position and cluster.is_chief(self.model):
+            # The last backup holds the whole epoch: resume at the next one.
+            self._write_index(done, self._read_index()["weights"])
+        self._first_step = 0
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and cluster.is_chief(self.model) and self._index.exists():
             self._index.unlink()
-            for file in self.backup_dir.glob("epoch-*.weights.h5"):
+            for file in self.backup_dir.glob("*.weights.h5"):
                 file.unlink(missing_ok=True)
             if not any(self.backup_dir.iterdir()):
                 os.rmdir(self.backup_dir)
+
+    # -- writing -------------------------------------------------------------------------------
+    def _back_up(self, position: Position) -> None:
+        self._since_backup = 0
+        self._backed_up = position
+        if not cluster.is_chief(self.model):
+            return
+        weights = f"epoch{position.epoch:05d}-step{position.step:07d}.weights.h5"
+        with atomic_path(self.backup_dir / weights) as partial:
+            self.model.save_weights(partial, overwrite=True)
+        self._write_index(position, weights)
+
+    def _read_index(self) -> dict:
+        return json.loads(self._index.read_text()) if self._index.exists() else {}
+
+    def _write_index(self, position: Position, weights: str) -> None:
+        before = self._read_index()
+        entry = {
+            "epoch": position.epoch,
+            "step": position.step,
+            "weights": weights,
+            "sha256": _digest(self.backup_dir / weights),
+        }
+        if self.double_checkpoint and before and before["weights"] != weights:
+            entry["previous"] = {k: v for k, v in before.items() if k != "previous"}
+        elif self.double_checkpoint and before.get("previous"):
+            entry["previous"] = before["previous"]
+        with atomic_path(self._index) as partial, open(partial, "w") as f:
+            json.dump(entry, f)
+        kept = {weights, entry.get("previous", {}).get("weights")}
+        for old in self.backup_dir.glob("*.weights.h5"):
+            if old.name not in kept:
+                old.unlink(missing_ok=True)
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

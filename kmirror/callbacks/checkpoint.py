@@ -15,7 +15,8 @@ __all__ = ["ChiefCheckpoint"]
 class ChiefCheckpoint(keras.callbacks.ModelCheckpoint):
     """Saves the model or its weights, from the chief process only, never as a partial file.
 
-    Keras' `ModelCheckpoint` semantics (file name templates such as `ckpt_{epoch:02d}.keras`,
+    Keras' `ModelCheckpoint`, with the same arguments in the same order, and its semantics (file
+    name templates such as `ckpt_{epoch:02d}.keras`,
     `save_best_only`, `save_freq`, `.keras` or `.weights.h5`), for data-parallel training: the
     monitored value is the global (all-replica) value, so every process agrees on which epoch is
     best, but only the chief writes; other processes write nothing. Each file is written under a
@@ -33,24 +34,24 @@ class ChiefCheckpoint(keras.callbacks.ModelCheckpoint):
     Args:
         filepath: where to save; may contain `{epoch}` and log names as in `ModelCheckpoint`.
         monitor: the log to watch for `save_best_only` ("val_loss", "loss", "val_accuracy", ...).
-        mode: "auto", "min" or "max": whether smaller or larger `monitor` values are better.
+        verbose: 1 prints a line when a file is written.
         save_best_only: save only when `monitor` improves.
         save_weights_only: save only the weights (`filepath` must end in `.weights.h5`).
+        mode: "auto", "min" or "max": whether smaller or larger `monitor` values are better.
         save_freq: "epoch", or a number of batches between saves.
         initial_value_threshold: the value `monitor` must beat for the first save.
-        verbose: 1 prints a line when a file is written.
     """
 
     def __init__(
         self,
         filepath,
         monitor: str = "val_loss",
-        mode: str = "auto",
+        verbose: int = 0,
         save_best_only: bool = False,
         save_weights_only: bool = False,
+        mode: str = "auto",
         save_freq="epoch",
         initial_value_threshold=None,
-        verbose: int = 0,
     ) -> None:
         super().__init__(
             filepath,

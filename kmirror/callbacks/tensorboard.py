@@ -24,6 +24,8 @@ def _chief_only(hook):
 class ChiefTensorBoard(keras.callbacks.TensorBoard):
     """Writes TensorBoard event files from the chief process only.
 
+    Keras' `TensorBoard`, with the same arguments in the same order.
+
     Everything Keras' `TensorBoard` writes (epoch and batch scalars, which are global values
     under kmirror, histograms, the graph), and kmirror's own per epoch: `epoch_samples_per_second`,
     `epoch_step_time` (seconds per step) and `epoch_replicas`, plus the reducer's name as text
@@ -39,12 +41,39 @@ class ChiefTensorBoard(keras.callbacks.TensorBoard):
 
     Args:
         log_dir: the folder for the event files.
-        **kwargs: every other argument of `keras.callbacks.TensorBoard` (`histogram_freq`,
-            `update_freq`, `write_graph`, ...).
+        histogram_freq: epochs between weight histograms (0: none).
+        write_graph: write the model's graph.
+        write_images: write the weights as images.
+        write_steps_per_second: log Keras' steps per second.
+        update_freq: "epoch", "batch", or a number of batches between batch-level logs.
+        profile_batch: the batch (or `(first, last)` batches) to profile (0: none).
+        embeddings_freq: epochs between embedding visualisations (0: none).
+        embeddings_metadata: embedding layer names mapped to their metadata files.
     """
 
-    def __init__(self, log_dir="logs", **kwargs) -> None:
-        super().__init__(log_dir=log_dir, **kwargs)
+    def __init__(
+        self,
+        log_dir="logs",
+        histogram_freq=0,
+        write_graph=True,
+        write_images=False,
+        write_steps_per_second=False,
+        update_freq="epoch",
+        profile_batch=0,
+        embeddings_freq=0,
+        embeddings_metadata=None,
+    ) -> None:
+        super().__init__(
+            log_dir=log_dir,
+            histogram_freq=histogram_freq,
+            write_graph=write_graph,
+            write_images=write_images,
+            write_steps_per_second=write_steps_per_second,
+            update_freq=update_freq,
+            profile_batch=profile_batch,
+            embeddings_freq=embeddings_freq,
+            embeddings_metadata=embeddings_metadata,
+        )
         self._chief = True
 
     def set_model(self, model):

@@ -1,0 +1,196 @@
+"""BackupAndRestore with Keras' arguments: backups every few batches, a relaunch that resumes inside
+the interrupted epoch and ends as the uninterrupted run (1e-6), and the fallback to the previous
+backup when the latest is corrupt. Here in one process (2 simulated devices), the crash an
+exception and the relaunch a new model, dataset and callback after seeding as a script would;
+killed processes under Horovod and across workers with their own folders: test_callbacks.py."""
+
+import inspect
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+from models import BATCH, dense_data, dense_model
+
+import kmirror
+
+EPOCHS = 4  # of 4 batches (101 rows in batches of 33)
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises after batch `batch` of epoch `epoch` (0-based) is trained."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise Crash()
+
+
+class Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
+
+
+def inputs(kind: str):
+    x, y = dense_data()
+    if kind == "dataset":  # reshuffled at every pass, seeded
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(101, seed=5).batch(BATCH)
+        return {"x": data}
+    return {"x": x, "y": y, "batch_size": BATCH, "shuffle": kind == "shuffled"}
+
+
+def train(backup_dir, kind, callbacks=(), **backup):
+    """One launch of the script: seeded, a new model and input; returns (model, batches run)."""
+    keras.utils.set_random_seed(11)
+    model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(2))
+    counter = Batches()
+    callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, **backup), counter, *callbacks]
+    model.fit(**inputs(kind), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    return model, counter.count
+
+
+def state(model):
+    return [v.numpy() for v in model.weights + model.optimizer.variables]
+
+
+def assert_same_state(expected, actual):
+    for a, b in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# save_freq=2 with 4 batches per epoch: backups after batches 2, 4 (the epoch's end), 6, ... A
+# crash after batch 2 of epoch 2 (0-based; the backup holds its first 2) redoes one batch; a crash
+# after its batch 0 resumes at the epoch's start (the backup of epoch 1's last batch).
+@pytest.mark.parametrize(
+    "kind, crash, backed_up, batches",
+    [
+        ("ordered", (2, 2), (2, 2), 2 + 4),
+        ("shuffled", (2, 2), (2, 2), 2 + 4),
+        ("dataset", (2, 2), (2, 2), 2 + 4),
+        ("dataset", (2, 0), (2, 0), 4 + 4),  # the reshuffling dataset across an epoch's end
+    ],
+)
+def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
+    kind, crash, backed_up, batches, tmp_path
+):
+    whole, _ = train(tmp_path / "whole", kind, save_freq=2)
+    assert not (tmp_path / "whole").exists(), "the backup is removed after a normal end"
+
+    with pytest.raises(Crash):
+        train(tmp_path / "backup", kind, [CrashAt(*crash)], save_freq=2)
+    index = json.loads((tmp_path / "backup" / "backup.json").read_text())
+    assert (index["epoch"], index["step"]) == backed_up
+    resumed, trained = train(tmp_path / "backup", kind, save_freq=2)
+    assert trained == batches, "the relaunch trains the batches not backed up, no more"
+    assert_same_state(state(whole), state(resumed))
+
+
+def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
+    whole, _ = train(tmp_path / "whole", "dataset", save_freq=2)
+    backup = tmp_path / "backup"
+    with pytest.raises(Crash):
+        train(backup, "dataset", [CrashAt(2, 2)], save_freq=2, double_checkpoint=True)
+    index = json.loads((backup / "backup.json").read_text())
+    assert (index["epoch"], index["step"]) == (2, 2)
+    assert (index["previous"]["epoch"], index["previous"]["step"]) == (2, 0)
+    latest = backup / index["weights"]
+    latest.write_bytes(latest.read_bytes()[:100])  # a truncated file
+
+    with pytest.warns(UserWarning, match="missing or corrupt; resuming from the previous"):
+        resumed, trained = train(backup, "dataset", save_freq=2, double_checkpoint=True)
+    assert trained == 8, "resumed at epoch 2's start, the previous backup"
+    assert_same_state(state(whole), state(resumed))
+
+
+def test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept(tmp_path):
+    backup = tmp_path / "backup"
+    with pytest.raises(Crash):
+        train(backup, "ordered", [CrashAt(1, 2)], save_freq=2)
+    latest = backup / json.loads((backup / "backup.json").read_text())["weights"]
+    latest.write_bytes(b"not a weights file")
+    files = {p.name: p.read_bytes() for p in backup.iterdir()}
+    with pytest.raises(
+        ValueError,
+        match="Delete the folder to train from the start, or pass double_checkpoint=True",
+    ):
+        train(backup, "ordered", save_freq=2)
+    assert {p.name: p.read_bytes() for p in backup.iterdir()} == files
+
+
+def test_epoch_backups_resume_at_the_next_epoch(tmp_path):
+    whole, _ = train(tmp_path / "whole", "dataset")
+    with pytest.raises(Crash):
+        train(tmp_path / "backup", "dataset", [CrashAt(2, 1)])
+    resumed, trained = train(tmp_path / "backup", "dataset")
+    assert trained == 8
+    assert_same_state(state(whole), state(resumed))
+
+
+class Batches7(keras.utils.PyDataset):
+    def __init__(self):
+        super().__init__()
+        self.x, self.y = dense_data()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        rows = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+
+def test_input_that_cannot_skip_batches_restarts_the_epoch_and_says_so(tmp_path):
+    def run(callbacks=()):
+        keras.utils.set_random_seed(11)
+        model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(2))
+        counter = Batches()
+        backup = kmirror.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2)
+        model.fit(Batches7(), epochs=EPOCHS, verbose=0, callbacks=[backup, counter, *callbacks])
+        return counter.count
+
+    with pytest.raises(Crash):
+        run([CrashAt(2, 2)])
+    with pytest.warns(UserWarning, match="resumes at the start of epoch 3"):
+        assert run() == 8
+
+
+@pytest.mark.parametrize(
+    "keras_callback, ours",
+    [
+        (keras.callbacks.BackupAndRestore, kmirror.callbacks.BackupAndRestore),
+        (keras.callbacks.ModelCheckpoint, kmirror.callbacks.ChiefCheckpoint),
+        (keras.callbacks.TensorBoard, kmirror.callbacks.ChiefTensorBoard),
+    ],
+)
+def test_every_keras_argument_is_taken_in_the_same_place(keras_callback, ours):
+    """Replacing Keras' callback by kmirror's is a rename: the same names, order and defaults."""
+    expected = [
+        (p.name, p.kind, p.default)
+        for p in inspect.signature(keras_callback.__init__).parameters.values()
+    ]
+    actual = [
+        (p.name, p.kind, p.default) for p in inspect.signature(ours.__init__).parameters.values()
+    ]
+    assert actual == expected
+
+
+@pytest.mark.parametrize("save_freq", [0, -3, "batch", 2.5, True])
+def test_a_bad_save_freq_names_the_choices(save_freq, tmp_path):
+    with pytest.raises(ValueError, match="'epoch', a number of batches >= 1, or False"):
+        kmirror.callbacks.BackupAndRestore(tmp_path, save_freq=save_freq)
