@@ -1,4 +1,6 @@
-"""Input for jobs of several processes: each process loads only its rows of every global batch.
+"""Input: each process loads only its rows of every global batch; within one process, each
+replica's rows may be prefetched to its device (`on_devices`), and a resumed `fit` starts inside
+an epoch (`resumed`).
 
 The global batch, the order of the samples and the single-device result stay the same; only where
 rows are loaded changes. Process `p` of `P` takes rows `[p*B//P, (p+1)*B//P)` of a batch of `B`

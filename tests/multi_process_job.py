@@ -71,6 +71,8 @@ def main(out):
         "num_replicas": model.num_replicas,
         "reducer": model.reducer,
     }
+    if os.environ.get("KMIRROR_TEST_CORE"):  # another launcher of the same ranks
+        return save(out, rank, results)
 
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer="auto")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
