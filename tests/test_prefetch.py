@@ -103,8 +103,9 @@ def test_prefetched_arrays_with_shuffle_and_class_weight():
 
 
 def test_a_prefetched_seeded_shuffle_and_shard_give_one_device():
+    """A reshuffled tf.data pipeline (seeded) and a `kmirror.data.shard` dataset, prefetched to 2
+    replicas."""
     replicas = 2
-    """A reshuffled tf.data pipeline (seeded) and a `kmirror.data.shard` dataset, prefetched."""
     x, y = dense_data()
 
     def shuffled():
