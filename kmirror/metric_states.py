@@ -70,13 +70,14 @@ def adds_up(metric: keras.metrics.Metric | None) -> bool:
     return False
 
 
-def contribution(metric: keras.metrics.Metric, y, y_pred, sample_weight) -> tf.Tensor:
-    """What this replica's rows add to `metric`'s state, as one flat float64 vector.
+def contribution(metric: keras.metrics.Metric, *args, **kwargs) -> tf.Tensor:
+    """What this replica's rows add to `metric`'s state, as one flat float64 vector: the update
+    `metric.update_state(*args, **kwargs)` makes from the reset state.
 
     Runs in replica context; reads and writes no variable.
     """
     start = metric.stateless_reset_state()
-    after = metric.stateless_update_state(start, y, y_pred, sample_weight=sample_weight)
+    after = metric.stateless_update_state(start, *args, **kwargs)
     parts = [
         tf.reshape(tf.cast(new, tf.float64) - tf.cast(old, tf.float64), [-1])
         for new, old in zip(after, start)

@@ -10,11 +10,14 @@ updates. Three things make the replicas' steps add up to the single-device step:
 - **`apply_gradients`** of every optimizer the model holds first weighs the replica's gradients
   by its share of the rows and sums them over the replicas (`Reducer.reduce_in_replica`, the same
   reducer as kmirror's own step), then applies the sum on each replica, as one device would.
-- **Metrics** the step updates are updated with global values on every replica: a scalar (a
-  loss) becomes the mean over the global batch (the share-weighted sum over replicas), a scalar
-  `sample_weight` (a row count) the sum over replicas, and per-row tensors (labels,
-  predictions, weights) every replica's rows joined in row order. So every replica holds the
-  single-device metric state and the step's returned logs are the global values.
+- **Metrics** the step updates hold, on every replica, the state one device's update on the
+  global batch gives. A metric whose state adds up over rows (`kmirror.metric_states.adds_up`:
+  Keras' accuracies, AUC, Precision, ...) updated with per-row values (labels, predictions,
+  weights) adds the sum over replicas of what each replica's rows add: one all-reduce of its
+  state, no prediction gathered. Any other update gets global values: a scalar (a loss) becomes
+  the mean over the global batch (the share-weighted sum over replicas), a scalar
+  `sample_weight` (a row count) the sum over replicas, and per-row tensors every replica's rows
+  joined in row order. So the step's returned logs are the global values.
 
 What a step must do for this to hold is in docs/concepts.md ("A model's own train_step").
 """
@@ -29,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks, step
+from kmirror import keras_hooks, metric_states, step
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -141,6 +144,10 @@ def _globalising_update(metric, *args, **kwargs):
         return update_state(metric, *args, **kwargs)
     _updating.active = True  # a metric that updates inner metrics passes them global values
     try:
+        if metric_states.adds_up(metric) and _per_row((args, kwargs)):
+            added = metric_states.contribution(metric, *args, **kwargs)
+            metric_states.add(metric, rows.all_sum(added))
+            return None
         args = [_global(value, rows, count=False) for value in args]
         kwargs = {
             name: _global(value, rows, count=name == "sample_weight")
@@ -149,6 +156,12 @@ def _globalising_update(metric, *args, **kwargs):
         return update_state(metric, *args, **kwargs)
     finally:
         _updating.active = False
+
+
+def _per_row(values) -> bool:
+    """Whether every tensor among `values` holds one value per row (none is a scalar)."""
+    leaves = [v for v in tf.nest.flatten(values) if v is not None and not isinstance(v, str | bool)]
+    return bool(leaves) and all(tf.convert_to_tensor(v).shape.rank != 0 for v in leaves)
 
 
 def _global(value, rows: keras_hooks.Rows, count: bool):

@@ -265,7 +265,9 @@ class Logged:
             return (*found, loss)
         # The loss part travels with the metric contributions: one sum for both.
         y_pred = keras_hooks.with_masks(y_pred, masks)
-        contribution = metric_states.contribution(self.metrics, y, y_pred, sample_weight)
+        contribution = metric_states.contribution(
+            self.metrics, y, y_pred, sample_weight=sample_weight
+        )
         return (*found, tf.concat([tf.reshape(tf.cast(loss, tf.float64), [1]), contribution], 0))
 
     def combine(self, reducer: Reducer, local: tuple) -> Outcome:

@@ -8,8 +8,9 @@ import pytest
 import tensorflow as tf
 from conftest import cpus
 from features import FEATURES, fit
-from models import dense_data
-from own_steps import gan, images, own_evaluation
+from keras import ops
+from models import assert_same_history, dense_data
+from own_steps import gan, guide_step, images, own_evaluation
 
 import kmirror
 
@@ -27,6 +28,62 @@ def test_own_test_step_and_predict_step_equal_single_device(n):
     assert actual.shape == (101, 3)
     np.testing.assert_allclose(actual, expected, atol=1e-6)
     np.testing.assert_allclose(actual.sum(axis=1), 1.0, rtol=1e-5)  # its own step: softmax
+
+
+class GatherCounting(kmirror.reducers.HierarchicalCopy):
+    """Counts the gathers the traced steps hold (none traced: none run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gathers = 0
+
+    def all_gather(self, value):
+        self.gathers += 1
+        return super().all_gather(value)
+
+
+class Largest(keras.metrics.Metric):
+    """A metric whose state is a maximum: it needs every row's prediction."""
+
+    def __init__(self):
+        super().__init__(name="largest")
+        self.largest = self.add_variable(shape=(), initializer="zeros", name="largest")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.largest.assign(ops.maximum(self.largest, ops.max(y_pred)))
+
+    def result(self):
+        return self.largest
+
+
+@pytest.mark.parametrize("metric, gathers", [("accuracy", False), (Largest, True)])
+def test_own_steps_update_adding_metrics_from_summed_states(metric, gathers):
+    def build():
+        model = guide_step()
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[metric() if callable(metric) else metric],
+        )
+        return model
+
+    x, y = dense_data()
+    args = dict(batch_size=33, epochs=2, shuffle=False, verbose=0)
+    expected = build().fit(x, y, **args).history
+    reducer = GatherCounting()
+    history = kmirror.wrap(build(), reducer=reducer, devices=cpus(3)).fit(x, y, **args).history
+    assert_same_history(expected, history, rtol=1e-5)
+    assert (reducer.gathers > 0) is gathers
+
+
+def test_an_own_test_step_sums_its_accuracy_states():
+    x, y = dense_data()
+    reference, model = own_evaluation(), own_evaluation()
+    reducer = GatherCounting()
+    model = kmirror.wrap(model, reducer=reducer, devices=cpus(3))
+    expected = reference.evaluate(x, y, batch_size=33, verbose=0)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=33, verbose=0), expected, rtol=1e-6)
+    assert reducer.gathers == 0, "the accuracy of an own test_step is summed, not gathered"
 
 
 def test_a_gan_leaves_kmirror_with_its_optimizers_state_and_the_user_model_unchanged():
