@@ -14,11 +14,14 @@ Which case applies:
 - **`tf.data` pipelines** built with `kmirror.data.shard(elements, global_batch_size, map_fn)`:
   the cheap elements (file names, record indices) are batched, each process keeps its rows, and
   only those go through `map_fn`, the expensive per-element work.
+- **a `kmirror.data.RowDataset`**, a `PyDataset` that names each batch's rows (`batch_rows`)
+  and loads any of them (`load`): each process loads only its rows of each batch, in the order
+  Keras draws the batches.
 - **a dataset you sharded yourself**, Horovod style (`dataset.shard(size, rank).batch(b)`), wrapped
   with `kmirror.data.local_batches(dataset)`: each process's batch is its rows, the global batch of
   a step is every process's batch in process order, and its size is summed across processes.
-- **anything else** (a `tf.data.Dataset` of global batches, a `PyDataset`, a generator): every
-  process reads the whole global batch and keeps its rows, as within one process.
+- **anything else** (a `tf.data.Dataset` of global batches, any other `PyDataset`, a generator):
+  every process reads the whole global batch and keeps its rows, as within one process.
 
 Example:
 
@@ -47,6 +50,7 @@ import tensorflow as tf
 from kmirror import cluster, keras_hooks
 
 __all__ = [
+    "RowDataset",
     "shard",
     "local_batches",
     "process",
@@ -90,6 +94,53 @@ def process() -> tuple[int, int]:
 def bounds(rows, index: int, count: int):
     """Rows `[index*rows//count, (index+1)*rows//count)`: the share of part `index` of `count`."""
     return rows * index // count, rows * (index + 1) // count
+
+
+class RowDataset(keras.utils.PyDataset):
+    """A `PyDataset` whose batches a job loads in parts: each process loads only its rows.
+
+    Define `__len__` (the number of batches), `batch_rows(index)` (which samples batch `index`
+    holds: cheap, such as file names or record numbers) and `load(rows)` (the batch of those
+    samples, in that order: the expensive work). A batch is `load(batch_rows(index))`, so on one
+    device and in plain Keras this is an ordinary `PyDataset`; in a job of several processes,
+    process `p` of `P` loads rows `[p*B//P, (p+1)*B//P)` of each batch of `B` rows (possibly none:
+    `load` then gets an empty list, and its result must have 0 rows). Batches are drawn in the
+    order Keras draws them (`shuffle=True` included), so training is the single-device one.
+
+    Example:
+
+    ```python
+    import keras, kmirror, numpy as np
+    x, y = np.random.rand(100, 8).astype("float32"), np.random.rand(100, 1).astype("float32")
+
+    class Rows(kmirror.data.RowDataset):
+        def __len__(self):
+            return 4                                # batches of 25 rows
+
+        def batch_rows(self, index):                # cheap: which samples (file names, ...)
+            return list(range(index * 25, (index + 1) * 25))
+
+        def load(self, rows):                       # the expensive work, on these samples only
+            return x[rows], y[rows]
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model = kmirror.wrap(model, reducer="one_device")
+    model.fit(Rows(), epochs=1, shuffle=True)       # each process loads only its rows
+    ```
+    """
+
+    def batch_rows(self, index: int):
+        """The samples of batch `index`, as a sequence `load` takes (in order)."""
+        raise NotImplementedError(f"{type(self).__name__} must define batch_rows(index).")
+
+    def load(self, rows):
+        """The batch holding samples `rows` (a slice of `batch_rows`' sequence), like `__getitem__`
+        returns: `(x, y)`, `(x, y, sample_weight)`, `(x,)` or a dict."""
+        raise NotImplementedError(f"{type(self).__name__} must define load(rows).")
+
+    def __getitem__(self, index: int):
+        return self.load(self.batch_rows(index))
 
 
 def shard(

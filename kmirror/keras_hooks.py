@@ -15,7 +15,8 @@ Keras exposes none of these as public API, so this module replaces a few functio
 holds every other use of Keras internals (a model's compile arguments and compiled loss, its
 symbolic build, copies brought up to date, Keras' saving cache, the epoch a restored `fit` starts
 at, the order in which Keras' array adapter draws rows, its class weights and validation split,
-the data adapter of a distributed dataset, the passes Keras begins over a dataset),
+the data adapter of a distributed dataset, the passes Keras begins over a dataset, what its
+PyDataset adapter makes of a batch),
 so that it is the only module that touches them; kmirror's callbacks, which extend Keras'
 callback classes, also override the methods Keras' own subclasses override. Checked on Keras
 3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
@@ -46,6 +47,7 @@ from keras.src.trainers.data_adapters import (
     array_data_adapter,
     array_slicing,
     data_adapter_utils,
+    py_dataset_adapter,
     tf_dataset_adapter,
 )
 from keras.src.trainers.epoch_iterator import EpochIterator
@@ -221,6 +223,19 @@ def passes_begun_before(epoch: int) -> int:
     epoch that used all its batches (left unused, since the next epoch begins its own). What a
     reshuffling `tf.data` dataset's order depends on."""
     return 2 * epoch
+
+
+def py_dataset_batches(py_dataset, class_weight=None) -> Callable:
+    """What Keras' PyDataset adapter makes of a batch of `py_dataset`: a tuple `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)` (with `class_weight` made sample weights) or a dict."""
+    adapter = py_dataset_adapter.PyDatasetAdapter(py_dataset, class_weight=class_weight)
+    return adapter._standardize_batch
+
+
+def batches_spec(batches: list):
+    """The element spec Keras' PyDataset adapter gives batches like `batches`: each dimension the
+    batches share is fixed, any other is None."""
+    return data_adapter_utils.get_tensor_spec(batches)
 
 
 def class_weighted(y, class_weight):

@@ -11,6 +11,7 @@ Keras callback work as usual; its steps are kmirror's data-parallel steps (`kmir
 from __future__ import annotations
 
 import inspect
+import random
 import types
 import warnings
 import weakref
@@ -19,7 +20,17 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import cluster, copying, errors, keras_hooks, metric_states, own_step, reducers, step
+from kmirror import (
+    cluster,
+    copying,
+    errors,
+    keras_hooks,
+    metric_states,
+    own_step,
+    py_datasets,
+    reducers,
+    step,
+)
 from kmirror import data as data_lib
 from kmirror.callbacks.backup import BackupAndRestore, Position
 from kmirror.reducers.base import Reducer
@@ -164,6 +175,7 @@ class MirroredModel(keras.Model):
         self._synchronized = False  # every process has the chief's weights for this fit
         self._seeded = False  # every process draws the same random numbers
         self._draw_in_python = False  # batches drawn in Python, a step per call (see fit)
+        self._batches: py_datasets.Batches | None = None  # the PyDataset the current fit reads
         #: `local_batches` datasets whose batch counts the processes compared.
         self._counted = weakref.WeakSet()
         # The plain model `save` writes (see _plain_copy), held where Keras does not track it as
@@ -480,6 +492,8 @@ class MirroredModel(keras.Model):
             resume = self._agree_on_resume(arguments)
             skipping = resume is not None and resume.step > 0
             arguments = self._rows_of_process(arguments, fit=True, skipping=skipping)
+            # The resumed pass of a PyDataset does not load the batches already trained.
+            arguments = self._read_py_datasets(arguments, fit=True, skip=skipping and resume.step)
             self._check_local_batches(arguments)
             self._build_from_spec(arguments.get("x"))
             if resume is None:
@@ -505,6 +519,7 @@ class MirroredModel(keras.Model):
                     raise
                 raise errors.NonFiniteLoss(position.describe_non_finite()) from None
             finally:
+                self._batches = None
                 if self._draw_in_python:
                     self._draw_in_python = False
                     self.train_function = None  # the next fit traces Keras' loop again
@@ -514,6 +529,7 @@ class MirroredModel(keras.Model):
             arguments = self._rows_of_process(
                 self._chief_prints(keras.Model.evaluate, args, kwargs)
             )
+            arguments = self._read_py_datasets(arguments)
             self._check_local_batches(arguments)
             self._build_from_spec(arguments.get("x"))
             return super().evaluate(**self._on_devices(arguments))
@@ -533,7 +549,7 @@ class MirroredModel(keras.Model):
             except ValueError as problem:
                 error = problem
         # Other processes offer values below any the chief can, so the largest is the chief's.
-        mine = (-3, 0) if error else (found[0] if found else (-1, 0))
+        mine = (-3, 0) if error else (found.position if found else (-1, 0))
         epoch = max(self._reducer.gather_counts(mine[0] if self.is_chief else -4))
         step = max(self._reducer.gather_counts(mine[1] if self.is_chief else -1))
         if error is not None:
@@ -549,21 +565,35 @@ class MirroredModel(keras.Model):
         if step and not self._skippable(arguments):
             warnings.warn(
                 f"kmirror: training resumes at the start of epoch {epoch + 1}, whose first "
-                f"{step} batch(es) were trained before the interruption: only numpy arrays and "
-                "tf.data datasets without steps_per_epoch resume inside an epoch.",
+                f"{step} batch(es) were trained before the interruption: only numpy arrays, "
+                "tf.data datasets and PyDatasets of known length, without steps_per_epoch, "
+                "resume inside an epoch.",
                 stacklevel=3,
             )
             step = 0
+        self._take_chief_python_random(found.python_random if found else None)
         position = Position(epoch, step)
-        backup.resume_from(position, found[1] if found else None)
+        backup.resume_from(position, found.weights if found else None)
         return position
+
+    def _take_chief_python_random(self, words: list[int] | None) -> None:
+        """Every process takes the state of Python's `random` module the chief's backup holds
+        (the chief's own state when it holds none): the resumed epoch draws its batch order
+        from it, as the uninterrupted run did."""
+        if self.is_chief and words is None:
+            words = list(random.getstate()[1])
+        if self._reducer.num_processes > 1:
+            shared = keras.Variable(words or [0] * 625, dtype="int64", trainable=False)
+            self._reducer.broadcast([shared])
+            words = [int(w) for w in keras.ops.convert_to_numpy(shared)]
+        random.setstate((3, tuple(words), None))
 
     @staticmethod
     def _skippable(arguments: dict) -> bool:
         if arguments.get("steps_per_epoch"):
             return False
         x = arguments.get("x")
-        if isinstance(x, tf.data.Dataset):
+        if isinstance(x, tf.data.Dataset) or py_datasets.readable(x, None):
             return True
         return data_lib.is_arrays(x, arguments.get("y"), arguments.get("sample_weight"))
 
@@ -618,6 +648,40 @@ class MirroredModel(keras.Model):
                 **where,
             )
         return given
+
+    def _read_py_datasets(self, arguments: dict, fit: bool = False, skip: int = 0) -> dict:
+        """`fit`'s or `evaluate`'s arguments, each `PyDataset` of known length replaced by its
+        batches as Keras draws them (`kmirror.py_datasets`): this process's rows of each for a
+        `kmirror.data.RowDataset`; the first pass of `fit`'s skips `skip` batches."""
+        given = dict(arguments)
+        where = {"index": self._reducer.process_index, "count": self._reducer.num_processes}
+        if py_datasets.readable(given.get("x"), given.get("steps_per_epoch" if fit else "steps")):
+            batches = py_datasets.Batches(
+                given["x"],
+                shuffle=given.pop("shuffle", True) if fit else False,
+                class_weight=given.pop("class_weight", None),
+                **where,
+            )
+            batches.resume(skip)
+            given["x"] = self._read(batches)
+            if fit:
+                self._batches = batches
+        validation = given.get("validation_data")
+        if fit and py_datasets.readable(validation, given.get("validation_steps")):
+            given["validation_data"] = self._read(py_datasets.Batches(validation, **where))
+        return given
+
+    def _read(self, batches: py_datasets.Batches):
+        """What `fit` takes for `batches` (its count of steps is Keras' input), the model built
+        from its element spec."""
+        dataset = batches.dataset()
+        self._build_from_spec(dataset)
+        return keras_hooks.distributed_input(dataset, batches.num_batches)
+
+    def batch_order_drawn_from(self) -> tuple | None:
+        """Python's random state the current `fit` drew the order of its epoch's batches from:
+        that of a `PyDataset`'s pass (see `kmirror.py_datasets`); None for other input."""
+        return None if self._batches is None else self._batches.drawn_from
 
     def _on_devices(self, arguments: dict) -> dict:
         """`fit`'s or `evaluate`'s arguments, datasets replaced by their batches prefetched to the

@@ -5,12 +5,13 @@
     python -m kmirror.launch --workers 2 callbacks_job.py MODE OUT ring
 
 MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, and an early-stopped run.
-MODE "backup": 5 epochs of 4 batches, in order then shuffled, with
+MODE "backup": 5 epochs of 4 batches, numpy arrays in order then shuffled, then a RowDataset
+shuffled (each process loads its rows; Python's random draws the order), with
 BackupAndRestore(OUT/backup<rank>, save_freq=2): each process has its own folder, as without a
 shared filesystem. With KMIRROR_TEST_CRASH=<rank> that rank kills itself after batch 2 of epoch 4
-(batches 0 and 1 are backed up) of each training, once (OUT/crashed-<ordered|shuffled> marks it);
+(batches 0 and 1 are backed up) of each training, once (OUT/crashed-<scenario> marks it);
 a training finished at an earlier launch is not run again.
-Results go to OUT/<mode>-rank<r>.pkl (OUT/backup-<ordered|shuffled>-rank<r>.pkl).
+Results go to OUT/<mode>-rank<r>.pkl (OUT/backup-<scenario>-rank<r>.pkl).
 """
 
 import os
@@ -31,7 +32,7 @@ elif reducer != "horovod":
     kmirror.devices.simulate(2)
 
 import keras  # noqa: E402
-from models import BATCH, dense_data, dense_model  # noqa: E402
+from models import BATCH, Rows, dense_data, dense_model  # noqa: E402
 
 rank = kmirror.launch._rank()
 x, y = dense_data()
@@ -42,11 +43,10 @@ def make():
     return kmirror.wrap(dense_model("sgd", seed=1 + 10 * rank), reducer=reducer)
 
 
-def fit(model, epochs, callbacks, shuffle=False, **kwargs):
+def fit(model, epochs, callbacks, shuffle=False, rows=False, **kwargs):
+    given = {"x": Rows(x, y)} if rows else {"x": x, "y": y, "batch_size": BATCH}
     return model.fit(
-        x,
-        y,
-        batch_size=BATCH,
+        **given,
         epochs=epochs,
         shuffle=shuffle,
         verbose=0,
@@ -70,6 +70,7 @@ class CrashMidEpoch(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+SCENARIOS = ("ordered", "shuffled", "rows")
 results = {}
 if mode == "callbacks":
     model = make()
@@ -86,7 +87,7 @@ if mode == "callbacks":
     stopped = fit(make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)])
     results["early_stopped_epochs"] = len(stopped["loss"])
 elif mode == "backup":
-    for scenario in ("ordered", "shuffled"):
+    for scenario in SCENARIOS:
         done = out / f"backup-{scenario}-rank{rank}.pkl"
         if done.exists():  # finished at an earlier launch
             continue
@@ -99,7 +100,8 @@ elif mode == "backup":
             model,
             5,
             [backup, *([CrashMidEpoch(crashed)] if crash else [])],
-            shuffle=scenario == "shuffled",
+            shuffle=scenario != "ordered",
+            rows=scenario == "rows",
         )
         with open(done, "wb") as f:
             pickle.dump(

@@ -3,6 +3,8 @@
 import keras
 import numpy as np
 
+import kmirror
+
 N_SAMPLES = 101  # with batch 33: batches of 33, 33, 33 and a final batch of 2
 BATCH = 33
 
@@ -18,6 +20,25 @@ def dense_data(n=N_SAMPLES, features=8, classes=3, seed=0):
     x = rng.normal(size=(n, features)).astype("float32")
     y = rng.integers(0, classes, size=n)
     return x, y
+
+
+class Rows(kmirror.data.RowDataset):
+    """`x` and `y` in batches of `batch_size`, loaded row by row; `loaded` lists the rows loaded."""
+
+    def __init__(self, x, y, batch_size=BATCH, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.loaded = []
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def batch_rows(self, index):
+        return list(range(len(self.x)))[index * self.batch_size :][: self.batch_size]
+
+    def load(self, rows):
+        self.loaded += rows
+        return self.x[rows], self.y[rows]
 
 
 def dense_model(opt="sgd", seed=1, compiled=True, **compile_args):

@@ -44,9 +44,9 @@ def sharded_reference(scenario: str):
         for k in range(0, len(parts[0]), LOCAL_BATCH):
             order += [i for part in parts for i in part[k : k + LOCAL_BATCH]]
         data = tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(2 * LOCAL_BATCH)
-    else:
+    else:  # a RowDataset ("rows") in order, as "shard"
         keras.utils.set_random_seed(0)
-        rows = sharded_elements()[scenario]
+        rows = sharded_elements()["shard" if scenario == "rows" else scenario]
         data = rows.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).batch(BATCH)
     history = model.fit(data, epochs=EPOCHS, verbose=0)
     return model, history.history, data
@@ -152,16 +152,17 @@ def assert_sharded_input_equals_single_device(ranks, scenario):
 
 
 def assert_each_process_loads_only_its_rows(ranks):
-    """In one pass over kmirror.data.shard's dataset (global batches of 33, 33, 33, 2 rows),
-    process p maps only rows [p*B//2, (p+1)*B//2) of each batch: 49 and 52 of 101, each row
-    once over the job."""
+    """In one pass over kmirror.data.shard's dataset or a RowDataset (global batches of 33, 33,
+    33, 2 rows), process p loads only rows [p*B//2, (p+1)*B//2) of each batch: 49 and 52 of
+    101, each row once over the job."""
     rows = dense_data()[0].shape[0]
-    for scenario in ("shard", "shard, shuffled"):
+    for scenario in ("shard", "shard, shuffled", "rows"):
         loaded = [rank[scenario]["loaded"] for rank in ranks]
         assert [len(part) for part in loaded] == [16 * 3 + 1, 17 * 3 + 1], scenario
         assert sorted(loaded[0] + loaded[1]) == list(range(rows)), scenario
-    in_order = ranks[0]["shard"]["loaded"]
-    assert sorted(in_order) == [*range(0, 16), *range(33, 49), *range(66, 82), 99]
+    for scenario in ("shard", "rows"):
+        in_order = ranks[0][scenario]["loaded"]
+        assert sorted(in_order) == [*range(0, 16), *range(33, 49), *range(66, 82), 99]
 
 
 def assert_uneven_local_batches_are_refused(ranks):

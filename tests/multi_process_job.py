@@ -24,7 +24,14 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from features import FEATURES, MULTI_PROCESS  # noqa: E402
 from features import fit as features_fit  # noqa: E402
-from models import BATCH, dense_data, dense_model, multi_io_data, multi_io_model  # noqa: E402
+from models import (  # noqa: E402
+    BATCH,
+    Rows,
+    dense_data,
+    dense_model,
+    multi_io_data,
+    multi_io_model,
+)
 from multi_process import LOCAL_BATCH, sharded_elements  # noqa: E402
 from own_steps import own_evaluation  # noqa: E402
 
@@ -153,8 +160,8 @@ def main(out):
 
 
 def run_sharded_input(results, seed):
-    """Datasets that hold each process's rows only: kmirror.data.shard (counting the rows each
-    process loads) and a dataset sharded by hand, Horovod style."""
+    """Datasets that hold each process's rows only: kmirror.data.shard and a RowDataset
+    (counting the rows each process loads), and a dataset sharded by hand, Horovod style."""
     x, y = dense_data()
     keras.utils.set_random_seed(0)  # every process builds the same shuffled pipeline
     for name, elements in sharded_elements().items():
@@ -177,6 +184,20 @@ def run_sharded_input(results, seed):
             "loaded": list(loaded),
             "evaluate": evaluate,
         }
+    # A RowDataset: each process loads its rows of each batch.
+    rows = Rows(x, y)
+    model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)
+    history = model.fit(rows, epochs=EPOCHS, shuffle=False, verbose=0).history
+    weights = model.get_weights()
+    rows.loaded.clear()  # the rows one pass (an evaluate) loads here
+    evaluate = model.evaluate(rows, verbose=0, return_dict=True)
+    results["rows"] = {
+        "weights": weights,
+        "history": history,
+        "loaded": list(rows.loaded),
+        "evaluate": evaluate,
+    }
+
     index, count = kmirror.data.process()
     mine = tf.data.Dataset.from_tensor_slices((x, y)).shard(count, index).batch(LOCAL_BATCH)
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)

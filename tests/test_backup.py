@@ -47,8 +47,27 @@ class Batches(keras.callbacks.Callback):
         self.count += 1
 
 
+class Loaded(keras.utils.PyDataset):
+    """4 batches of 33, 33, 33 and 2 rows; counts the batches it loads."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y = dense_data()
+        self.loaded = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        self.loaded += 1
+        rows = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[rows], self.y[rows]
+
+
 def inputs(kind: str):
     x, y = dense_data()
+    if kind.startswith("py_dataset"):  # in order, or in the order Python's random draws
+        return {"x": Loaded(), "shuffle": kind == "py_dataset, shuffled"}
     if kind == "dataset":  # reshuffled at every pass, seeded
         data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(101, seed=5).batch(BATCH)
         return {"x": data}
@@ -56,13 +75,15 @@ def inputs(kind: str):
 
 
 def train(backup_dir, kind, callbacks=(), **backup):
-    """One launch of the script: seeded, a new model and input; returns (model, batches run)."""
+    """One launch of the script: seeded, a new model and input; returns (model, batches trained,
+    batches loaded: a PyDataset's count, else None)."""
     keras.utils.set_random_seed(11)
     model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(2))
     counter = Batches()
     callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, **backup), counter, *callbacks]
-    model.fit(**inputs(kind), epochs=EPOCHS, verbose=0, callbacks=callbacks)
-    return model, counter.count
+    given = inputs(kind)
+    model.fit(**given, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    return model, counter.count, getattr(given["x"], "loaded", None)
 
 
 def state(model):
@@ -84,25 +105,30 @@ def assert_same_state(expected, actual):
         ("shuffled", (2, 2), (2, 2), 2 + 4),
         ("dataset", (2, 2), (2, 2), 2 + 4),
         ("dataset", (2, 0), (2, 0), 4 + 4),  # the reshuffling dataset across an epoch's end
+        ("py_dataset", (2, 2), (2, 2), 2 + 4),
+        ("py_dataset, shuffled", (2, 2), (2, 2), 2 + 4),
+        ("py_dataset, shuffled", (2, 0), (2, 0), 4 + 4),
     ],
 )
 def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
     kind, crash, backed_up, batches, tmp_path
 ):
-    whole, _ = train(tmp_path / "whole", kind, save_freq=2)
+    whole, _, _ = train(tmp_path / "whole", kind, save_freq=2)
     assert not (tmp_path / "whole").exists(), "the backup is removed after a normal end"
 
     with pytest.raises(Crash):
         train(tmp_path / "backup", kind, [CrashAt(*crash)], save_freq=2)
     index = json.loads((tmp_path / "backup" / "backup.json").read_text())
     assert (index["epoch"], index["step"]) == backed_up
-    resumed, trained = train(tmp_path / "backup", kind, save_freq=2)
+    resumed, trained, loaded = train(tmp_path / "backup", kind, save_freq=2)
     assert trained == batches, "the relaunch trains the batches not backed up, no more"
+    if loaded is not None:  # and loads them, after the first two (their shapes)
+        assert loaded == 2 + batches
     assert_same_state(state(whole), state(resumed))
 
 
 def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
-    whole, _ = train(tmp_path / "whole", "dataset", save_freq=2)
+    whole, _, _ = train(tmp_path / "whole", "dataset", save_freq=2)
     backup = tmp_path / "backup"
     with pytest.raises(Crash):
         train(backup, "dataset", [CrashAt(2, 2)], save_freq=2, double_checkpoint=True)
@@ -113,7 +139,7 @@ def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
     latest.write_bytes(latest.read_bytes()[:100])  # a truncated file
 
     with pytest.warns(UserWarning, match="missing or corrupt; resuming from the previous"):
-        resumed, trained = train(backup, "dataset", save_freq=2, double_checkpoint=True)
+        resumed, trained, _ = train(backup, "dataset", save_freq=2, double_checkpoint=True)
     assert trained == 8, "resumed at epoch 2's start, the previous backup"
     assert_same_state(state(whole), state(resumed))
 
@@ -134,25 +160,12 @@ def test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept(tmp_path):
 
 
 def test_epoch_backups_resume_at_the_next_epoch(tmp_path):
-    whole, _ = train(tmp_path / "whole", "dataset")
+    whole, _, _ = train(tmp_path / "whole", "dataset")
     with pytest.raises(Crash):
         train(tmp_path / "backup", "dataset", [CrashAt(2, 1)])
-    resumed, trained = train(tmp_path / "backup", "dataset")
+    resumed, trained, _ = train(tmp_path / "backup", "dataset")
     assert trained == 8
     assert_same_state(state(whole), state(resumed))
-
-
-class Batches7(keras.utils.PyDataset):
-    def __init__(self):
-        super().__init__()
-        self.x, self.y = dense_data()
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, index):
-        rows = slice(index * BATCH, (index + 1) * BATCH)
-        return self.x[rows], self.y[rows]
 
 
 def test_input_that_cannot_skip_batches_restarts_the_epoch_and_says_so(tmp_path):
@@ -161,7 +174,8 @@ def test_input_that_cannot_skip_batches_restarts_the_epoch_and_says_so(tmp_path)
         model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(2))
         counter = Batches()
         backup = kmirror.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2)
-        model.fit(Batches7(), epochs=EPOCHS, verbose=0, callbacks=[backup, counter, *callbacks])
+        callbacks = [backup, counter, *callbacks]
+        model.fit(Loaded(), steps_per_epoch=4, epochs=EPOCHS, verbose=0, callbacks=callbacks)
         return counter.count
 
     with pytest.raises(Crash):

@@ -153,9 +153,9 @@ def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
 # In one process: tests/test_backup.py.
 @pytest.mark.parametrize("reducer", ["horovod", "ring"])
 def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tmp_path):
-    """Rank 1 is killed inside epoch 4 of a training in order, then of a shuffled one; each
-    relaunch resumes from the chief's backup of that epoch's first 2 batches (rank 1's own folder
-    is empty) and ends as the uninterrupted run."""
+    """Rank 1 is killed inside epoch 4 of a training in order, then of a shuffled one, then of
+    one on a shuffled RowDataset; each relaunch resumes from the chief's backup of that epoch's
+    first 2 batches (rank 1's own folder is empty) and ends as the uninterrupted run."""
     whole = tmp_path / "uninterrupted"
     done = run_job("backup", whole, reducer)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -163,7 +163,7 @@ def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tm
 
     crashing = tmp_path / "crashing"
     crash = {"KMIRROR_TEST_CRASH": "1"}
-    for scenario in ("ordered", "shuffled"):
+    for scenario in ("ordered", "shuffled", "rows"):
         first = run_job("backup", crashing, reducer, env=crash)
         assert first.returncode != 0 and (crashing / f"crashed-{scenario}").exists()
         index = json.loads((crashing / "backup0" / "backup.json").read_text())
@@ -172,7 +172,7 @@ def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tm
     last = run_job("backup", crashing, reducer, env=crash)
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
 
-    for scenario in ("ordered", "shuffled"):
+    for scenario in ("ordered", "shuffled", "rows"):
         mode = f"backup-{scenario}"
         for expected, resumed in zip(
             results(whole, mode, reducer), results(crashing, mode, reducer)

@@ -6,14 +6,21 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from models import BATCH, assert_same_history, dense_data, dense_model, max_weight_difference
+from models import (
+    BATCH,
+    Rows,
+    assert_same_history,
+    dense_data,
+    dense_model,
+    max_weight_difference,
+)
 
 import kmirror
 
 
 class Batches(keras.utils.PyDataset):
-    def __init__(self, x, y, batch_size):
-        super().__init__()
+    def __init__(self, x, y, batch_size, **kwargs):
+        super().__init__(**kwargs)
         self.x, self.y, self.batch_size = x, y, batch_size
 
     def __len__(self):
@@ -48,6 +55,36 @@ def test_py_dataset():
     reference, model, (h0, h1) = both(dict(x=Batches(x, y, BATCH), epochs=3, shuffle=False))
     assert max_weight_difference(reference, model) < 1e-5
     assert_same_history(h0, h1)
+
+
+@pytest.mark.parametrize(
+    "make, workers",
+    [(Batches, 1), (Rows, 1), (Rows, 3)],
+    ids=["py_dataset", "row_dataset", "row_dataset_3_workers"],
+)
+def test_shuffled_py_dataset_with_validation_and_class_weight(make, workers):
+    """Keras draws a PyDataset's batch order with Python's random module: a wrapped model draws
+    the same orders, and reads validation PyDatasets and class weights as Keras does."""
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    histories, models = [], []
+    for wrapped in (False, True):
+        model = dense_model("adam")
+        if wrapped:
+            model = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(3))
+        keras.utils.set_random_seed(7)
+        history = model.fit(
+            make(x, y, BATCH, workers=workers),
+            epochs=3,
+            validation_data=make(xv, yv, BATCH),
+            class_weight={0: 1.0, 1: 2.0, 2: 0.5},
+            verbose=0,
+        )
+        histories.append(history.history)
+        models.append(model)
+    assert {"val_loss", "val_accuracy"} <= set(histories[1])
+    assert max_weight_difference(*models) < 1e-5
+    assert_same_history(*histories)
 
 
 def test_validation_data_and_class_weight():

@@ -94,11 +94,11 @@ def test_two_workers_equal_single_device(workers, scenario):
         assert_same_history(history, rank[scenario]["history"])
 
 
-@pytest.mark.parametrize("scenario", ["shard", "shard, shuffled", "local batches"])
+@pytest.mark.parametrize("scenario", ["shard", "shard, shuffled", "rows", "local batches"])
 def test_sharded_input_equals_single_device(workers, scenario):
     """Each worker holds only its rows of every global batch (kmirror.data.shard, in order or
-    shuffled with a seed; a dataset sharded by hand, kmirror.data.local_batches), split again
-    over its devices: the training of one device on the global batches."""
+    shuffled with a seed; a RowDataset; a dataset sharded by hand, kmirror.data.local_batches),
+    split again over its devices: the training of one device on the global batches."""
     assert_sharded_input_equals_single_device(workers[1], scenario)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -14,7 +15,7 @@ import keras
 from kmirror import cluster, keras_hooks
 from kmirror.files import atomic_path, check_writable
 
-__all__ = ["BackupAndRestore", "Position"]
+__all__ = ["BackupAndRestore", "Position", "Backup"]
 
 
 class Position(NamedTuple):
@@ -22,6 +23,15 @@ class Position(NamedTuple):
 
     epoch: int
     step: int
+
+
+class Backup(NamedTuple):
+    """A backup found in the folder: its position, its weights file, and the state of Python's
+    `random` module the resumed epoch draws its batch order from (None in older backups)."""
+
+    position: Position
+    weights: Path
+    python_random: list[int] | None
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -34,8 +44,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     a number of batches, a `kmirror.wrap` model resumes inside the interrupted epoch: it skips the
     batches already trained and draws the others as the uninterrupted run does, and ends with its
     weights and optimizer state (Keras restarts the interrupted epoch). The batches are skipped
-    exactly for numpy arrays and `tf.data` datasets (a seeded `shuffle` included); a `PyDataset`,
-    a generator, or `fit(steps_per_epoch=...)` restart the interrupted epoch, with a warning.
+    exactly for numpy arrays, `tf.data` datasets (a seeded `shuffle` included) and `PyDataset`s of
+    known length (shuffled too: the backup keeps the state of Python's `random` module that the
+    epoch's batch order is drawn from); a generator, a `PyDataset` of unknown length, or
+    `fit(steps_per_epoch=...)` restart the interrupted epoch, with a warning.
 
     A backup is a weights file and a small `backup.json` naming it with a checksum, each written
     under a temporary name and renamed into place, so a crash at any moment leaves a complete
@@ -84,7 +96,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._backed_up: Position | None = None
 
     # -- what a relaunch resumes from ----------------------------------------------------------
-    def latest(self) -> tuple[Position, Path] | None:
+    def latest(self) -> Backup | None:
         """The newest intact backup in `backup_dir` (the previous one when the latest is corrupt
         and `double_checkpoint` kept it); None when there is none."""
         if not self._index.exists():
@@ -98,7 +110,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             weights = self.backup_dir / entry["weights"]
             expected = entry.get("sha256")
             if weights.exists() and (expected is None or _digest(weights) == expected):
-                return Position(entry["epoch"], entry["step"]), weights
+                position = Position(entry["epoch"], entry["step"])
+                return Backup(position, weights, entry.get("python_random"))
             more = number + 1 < len(entries)
             warnings.warn(
                 f"kmirror: the backup {weights} is missing or corrupt"
@@ -151,7 +164,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         found = self.latest()
         if found is None:
             return None
-        position, weights = found
+        position, weights, _ = found
         if position.step:
             warnings.warn(
                 f"kmirror: this model is not a kmirror.wrap model: training restarts epoch "
@@ -211,6 +224,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "step": position.step,
             "weights": weights,
             "sha256": _digest(self.backup_dir / weights),
+            "python_random": self._python_random(position),
         }
         if self.double_checkpoint and before and before["weights"] != weights:
             entry["previous"] = {k: v for k, v in before.items() if k != "previous"}
@@ -222,6 +236,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         for old in self.backup_dir.glob("*.weights.h5"):
             if old.name not in kept:
                 old.unlink(missing_ok=True)
+
+    def _python_random(self, position: Position) -> list[int]:
+        """The state of Python's `random` module the epoch resumed at `position` draws its
+        batch order from: the one the current epoch drew from (a `PyDataset`'s order, see
+        `kmirror.py_datasets`) inside an epoch, the current one at its start."""
+        drawn = None
+        if position.step:
+            drawn = getattr(self.model, "batch_order_drawn_from", lambda: None)()
+        _, words, _ = drawn or random.getstate()
+        return list(words)
 
 
 def _digest(path: Path) -> str:

@@ -1,0 +1,124 @@
+"""A `PyDataset` as a wrapped model's `fit` and `evaluate` read it: a `tf.data` pipeline of its
+batches, drawn as Keras' PyDataset adapter draws them.
+
+Keras reads a `PyDataset` of known length pass by pass: it calls the dataset's `on_epoch_begin`,
+draws the order of the batches with Python's `random.shuffle` when `shuffle=True`, reads the
+batches in that order and calls `on_epoch_end`. `Batches` does the same, at the same moments (a
+pass begins when its first batch is read), so training is the single-device one, and:
+
+- for a `kmirror.data.RowDataset` in a job of several processes, each process loads only its
+  rows of each batch (`load(rows)`), handed on with their place in the batch;
+- it knows where each pass drew its order from (`drawn_from`), and a resumed `fit` can start the
+  first pass inside it without loading the batches already trained (`resume`).
+
+The dataset's `workers` load batches ahead in threads (`use_multiprocessing` too: its batches are
+loaded in threads of this process); up to `max_queue_size` batches wait, as in Keras.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import weakref
+from concurrent import futures
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmirror import keras_hooks
+from kmirror.data import _PLACE, _ROWS, RowDataset, bounds
+
+__all__ = ["readable", "Batches"]
+
+# The element specs of each PyDataset read so far, found from its first two batches once.
+_specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def readable(x, steps) -> bool:
+    """Whether `Batches` reads `x`: a `PyDataset` of known length, read whole every pass (no
+    `steps_per_epoch` or `steps`)."""
+    return isinstance(x, keras.utils.PyDataset) and x.num_batches is not None and not steps
+
+
+class Batches:
+    """The batches of a `PyDataset`, pass after pass, as a `tf.data.Dataset` (`dataset`)."""
+
+    def __init__(self, source, *, shuffle=False, class_weight=None, index=0, count=1) -> None:
+        self.source = source
+        self.shuffle = bool(shuffle)
+        self._where = (index, count)
+        self._rows = isinstance(source, RowDataset) and count > 1
+        self._standard = keras_hooks.py_dataset_batches(source, class_weight)
+        self._weighted = class_weight is not None
+        self._skip = 0
+        #: Python's random state the current pass drew its order from (None before any pass).
+        self.drawn_from: tuple | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return self.source.num_batches
+
+    def resume(self, skip: int) -> None:
+        """The next pass starts after its first `skip` batches, which it does not load."""
+        self._skip = skip
+
+    def dataset(self) -> tf.data.Dataset:
+        """The batches of every pass; each process's rows with their place for a `RowDataset`
+        in a job of several processes."""
+        known = _specs.setdefault(self.source, {})
+        kind = (self._rows, self._weighted)
+        if kind not in known:
+            first = [self._batch(i) for i in range(min(2, self.num_batches))]
+            known[kind] = _any_rows(keras_hooks.batches_spec(first))
+        spec = known[kind]
+        return tf.data.Dataset.from_generator(self._pass, output_signature=spec).prefetch(
+            tf.data.AUTOTUNE
+        )
+
+    def _pass(self):
+        self.source.on_epoch_begin()
+        order = list(range(self.num_batches))
+        self.drawn_from = random.getstate()
+        if self.shuffle:
+            random.shuffle(order)
+        skip, self._skip = self._skip, 0
+        yield from self._loaded(order[skip:])
+        self.source.on_epoch_end()
+
+    def _loaded(self, order):
+        workers = self.source.workers
+        if workers <= 1 and not self.source.use_multiprocessing:
+            for i in order:
+                yield self._batch(i)
+            return
+        waiting = collections.deque()
+        with futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+            for i in order:
+                waiting.append(pool.submit(self._batch, i))
+                if len(waiting) > max(self.source.max_queue_size, 1):
+                    yield waiting.popleft().result()
+            while waiting:
+                yield waiting.popleft().result()
+
+    def _batch(self, i: int):
+        if not self._rows:
+            return self._standard(self.source[i])
+        rows = list(self.source.batch_rows(i))
+        start, stop = bounds(len(rows), *self._where)
+        batch = self._standard(self.source.load(rows[start:stop]))
+        return {_ROWS: batch, _PLACE: np.array([start, len(rows)], np.int64)}
+
+
+def _any_rows(spec):
+    """`spec` with any number of rows per batch (an element's first dimension None); a row
+    place keeps its two values."""
+    if isinstance(spec, dict) and set(spec) == {_ROWS, _PLACE}:
+        return {_ROWS: _any_rows(spec[_ROWS]), _PLACE: tf.TensorSpec([2], tf.int64)}
+
+    def one(s):
+        if isinstance(s, tf.TensorSpec) and s.shape.rank:
+            return tf.TensorSpec([None, *s.shape[1:]], s.dtype, s.name)
+        return s
+
+    return tf.nest.map_structure(one, spec)
