@@ -2,7 +2,9 @@
 
 The tables go between the `<!-- results -->` and `<!-- /results -->` markers of
 docs/benchmarks.md (the text around them is kept) and also into benchmarks/results.md; the plots
-into docs/img/benchmarks/.
+into docs/img/benchmarks/. Figures quoted in the other pages sit between markers named after them
+(`FIGURES`, e.g. `<!-- horovod-packing-gain -->5.66x<!-- /horovod-packing-gain -->`) and are
+rewritten too (`benchmarks/markers.py`).
 
     python benchmarks/report.py
 """
@@ -10,9 +12,9 @@ into docs/img/benchmarks/.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+import markers
 import matplotlib
 
 matplotlib.use("Agg")
@@ -22,7 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results.json"
 PAGE = ROOT / "docs" / "benchmarks.md"
 PLOTS = ROOT / "docs" / "img" / "benchmarks"
-START, END = "<!-- results -->", "<!-- /results -->"
+PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+
+
+def figures(results: dict) -> dict[str, str]:
+    """The figures the pages quote, by marker name."""
+    found = {}
+    if "fusion" in results:
+        gain = results["fusion"]["horovod"]["packing_speedup"]
+        found["horovod-packing-gain"] = f"{gain:.2f}x"
+    return found
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -252,8 +263,8 @@ def save(fig, name: str) -> None:
     plt.close(fig)
 
 
-def main():
-    results = json.loads(RESULTS.read_text())
+def body(results: dict) -> str:
+    """The markdown of every section (drawing its plot into PLOTS)."""
     machine = results["wrapper_overhead_details"].get("machine", {})
     parts = [
         "Measured on: "
@@ -274,16 +285,19 @@ def main():
             parts.append(render(results))
         else:
             parts.append(f"### {section}\n\nNot measured yet: run `make bench`.\n")
-    body = "\n".join(parts)
-    (ROOT / "benchmarks" / "results.md").write_text(body)
-    page = PAGE.read_text()
-    page = re.sub(
-        re.escape(START) + ".*?" + re.escape(END),
-        lambda _: f"{START}\n{body}\n{END}",
-        page,
-        flags=re.DOTALL,
-    )
-    PAGE.write_text(page)
+    return "\n".join(parts)
+
+
+def main():
+    results = json.loads(RESULTS.read_text())
+    tables = body(results)
+    (ROOT / "benchmarks" / "results.md").write_text(tables)
+    PAGE.write_text(markers.fill(PAGE.read_text(), "results", tables))
+    for page in PAGES:
+        text = page.read_text()
+        for name, figure in figures(results).items():
+            text = markers.fill(text, name, figure)
+        page.write_text(text)
     print(f"wrote {PAGE.relative_to(ROOT)}, benchmarks/results.md and {PLOTS.relative_to(ROOT)}/")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,9 +21,11 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import markers  # noqa: E402
+
 PAGE = ROOT / "docs" / "reliability.md"
 RESULTS = ROOT / "benchmarks" / "results.json"
-START, END = "<!-- soak -->", "<!-- /soak -->"
 MAX_GROWTH = 0.05
 
 
@@ -167,14 +168,7 @@ def main():
     RESULTS.write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
     report = render(summary)
     print(report)
-    page = PAGE.read_text()
-    page = re.sub(
-        re.escape(START) + ".*?" + re.escape(END),
-        lambda _: f"{START}\n{report}\n{END}",
-        page,
-        flags=re.DOTALL,
-    )
-    PAGE.write_text(page)
+    PAGE.write_text(markers.fill(PAGE.read_text(), "soak", report))
     if failures:
         print("\n".join(["SOAK FAILED:", *failures]))
         return 1
@@ -191,7 +185,7 @@ def render(summary: dict) -> str:
         "after warm-up | at the end |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, runs in summary["runs"].items():
+    for name, runs in sorted(summary["runs"].items()):  # as results.json keeps them
         for label, figures in runs.items():
             per_process = figures if "rank 0" in figures else {"the one": figures}
             for who, f in per_process.items():

@@ -12,18 +12,24 @@ from models import BATCH, dense_data, dense_model
 
 import kmirror
 
+_BEFORE = {}  # each fixture model's weights when it was made
+
 
 @pytest.fixture
 def model():
-    """A compiled model, and a check that it is unchanged and still trains after the error."""
+    """A compiled model; each test ends with `assert_untouched(model)`."""
     original = dense_model()
-    before = [w.copy() for w in original.get_weights()]
-    yield original
-    for w, b in zip(original.get_weights(), before):
+    _BEFORE[id(original)] = [w.copy() for w in original.get_weights()]
+    return original
+
+
+def assert_untouched(model):
+    """The model is as it was before the error, and still trains."""
+    for w, b in zip(model.get_weights(), _BEFORE.pop(id(model)), strict=True):
         np.testing.assert_array_equal(w, b)
-    assert int(original.optimizer.iterations) == 0
+    assert int(model.optimizer.iterations) == 0
     x, y = dense_data()
-    original.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +43,7 @@ def model():
 def test_unknown_reducer_lists_the_valid_names(model, reducer, match):
     with pytest.raises(ValueError, match=match):
         kmirror.wrap(model, reducer=reducer, devices=cpus(2))
+    assert_untouched(model)
 
 
 def test_nccl_without_gpus_says_gpus_are_needed_and_what_to_use(model):
@@ -45,11 +52,13 @@ def test_nccl_without_gpus_says_gpus_are_needed_and_what_to_use(model):
     assert "reducer='hierarchical_copy' or 'one_device' on CPUs" in str(error.value)
     with pytest.raises(ValueError, match="found 0 GPU"):
         kmirror.wrap(model, reducer=kmirror.reducers.Nccl(), devices=cpus(3))
+    assert_untouched(model)
 
 
 def test_ring_without_a_cluster_says_how_to_start_workers(model):
     with pytest.raises(ValueError, match="needs a cluster: set TF_CONFIG"):
         kmirror.wrap(model, reducer="ring", devices=cpus(2))
+    assert_untouched(model)
 
 
 def test_options_that_do_not_apply_are_refused(model):
@@ -59,16 +68,19 @@ def test_options_that_do_not_apply_are_refused(model):
         kmirror.wrap(model, "hierarchical_copy", devices=cpus(2), num_packs=-1)
     with pytest.raises(ValueError, match="set them on the object instead"):
         kmirror.wrap(model, kmirror.reducers.OneDevice(), devices=cpus(2), num_packs=2)
+    assert_untouched(model)
 
 
 def test_duplicate_devices(model):
     with pytest.raises(ValueError, match="more than once; give each device once"):
         kmirror.wrap(model, devices=["/cpu:0", "/device:CPU:0"])
+    assert_untouched(model)
 
 
 def test_devices_and_num_gpus_together(model):
     with pytest.raises(ValueError, match="either devices=.* or num_gpus=N.*not both"):
         kmirror.wrap(model, devices=cpus(2), num_gpus=0)
+    assert_untouched(model)
 
 
 def test_devices_that_do_not_exist(model):
@@ -76,6 +88,7 @@ def test_devices_that_do_not_exist(model):
         kmirror.wrap(model, devices=["/gpu:0", "/gpu:1"])
     with pytest.raises(ValueError, match="num_gpus=2 asks for more GPUs than this machine has"):
         kmirror.wrap(model, num_gpus=2)
+    assert_untouched(model)
 
 
 def test_a_reducer_object_serves_one_model(model):
@@ -83,6 +96,7 @@ def test_a_reducer_object_serves_one_model(model):
     kmirror.wrap(dense_model(), reducer, devices=cpus(2))
     with pytest.raises(ValueError, match="pass a new reducer object"):
         kmirror.wrap(model, reducer, devices=cpus(2))
+    assert_untouched(model)
 
 
 @pytest.mark.parametrize("thing", [object(), "model.keras", keras.layers.Dense(3)])
@@ -95,6 +109,7 @@ def test_wrapping_twice(model):
     wrapped = kmirror.wrap(model, devices=cpus(2))
     with pytest.raises(ValueError, match="already a kmirror.MirroredModel.*unwrap"):
         kmirror.wrap(wrapped, devices=cpus(2))
+    assert_untouched(model)
 
 
 def test_fit_before_compile_says_compile():
@@ -121,6 +136,7 @@ def test_a_non_finite_loss_stops_training_and_says_what_to_look_for(model):
     with pytest.raises(kmirror.errors.NonFiniteLoss, match="at epoch 1, batch 2") as error:
         wrapped.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert "np.isfinite(x).all()" in str(error.value) and "clipnorm" in str(error.value)
+    assert_untouched(model)
 
 
 @pytest.mark.parametrize("callback", ["ChiefCheckpoint", "BackupAndRestore"])
@@ -140,6 +156,7 @@ def test_files_into_a_folder_that_cannot_be_written_fail_before_training(model, 
     assert int(wrapped.optimizer.iterations.numpy()) == 0, "no step ran"
     assert blocked.read_text() == "a file, not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked"], "nothing was created"
+    assert_untouched(model)
 
 
 LAUNCHER_MISTAKES = [

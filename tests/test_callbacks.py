@@ -120,9 +120,12 @@ def test_tensorboard_is_written_by_the_chief_with_kmirrors_scalars(job):
     history = ranks[0]["history"]
     np.testing.assert_allclose([float(v) for v in train["epoch_loss"]], history["loss"], rtol=1e-6)
     assert [float(v) for v in train["epoch_replicas"]] == [2.0] * 4
+    # Speeds are measured, so only their relation is checked: the samples of an epoch (101, in
+    # 4 steps) over its seconds, against its seconds per step.
     speeds = [float(v) for v in train["epoch_samples_per_second"]]
-    assert len(speeds) == 4 and all(10 < s < 1e7 for s in speeds)
-    assert all(0 < float(v) < 10 for v in train["epoch_step_time"])
+    step_times = [float(v) for v in train["epoch_step_time"]]
+    assert len(speeds) == len(step_times) == 4 and min(speeds) > 0
+    np.testing.assert_allclose(np.multiply(speeds, step_times) * 4, 101, rtol=1e-4)
     assert train["reducer"][0].flatten()[0].decode() == reducer
     assert ranks[0]["samples_seen"] == 4 * 101
     validation = scalars(out / "tensorboard0" / "validation")

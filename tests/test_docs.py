@@ -1,5 +1,6 @@
 """The documentation site builds without a warning, and its API reference covers the public API."""
 
+import json
 import os
 import re
 import subprocess
@@ -79,7 +80,6 @@ BAD_INPUT_ELSEWHERE = [
     "tests/test_multi_worker.py::test_devices_together_with_a_cluster_spec",
     "tests/test_multi_worker.py::test_in_process_reducers_across_workers_are_refused",
     "tests/test_multi_worker.py::test_joining_a_cluster_after_tensorflow_started_says_to_connect_first",
-    "tests/test_multi_worker.py::test_ring_without_a_cluster_says_how_to_get_one",
     "tests/test_multi_worker.py::test_workers_with_different_device_counts_fail_clearly_without_hanging",
     "tests/test_horovod.py::test_without_a_launcher_it_trains_as_one_replica_and_says_so",
     "tests/test_horovod.py::test_without_horovod_installed_the_error_names_the_install",
@@ -131,3 +131,33 @@ def test_the_reliability_page_counts_what_the_tests_cover():
     assert bad and faults, "docs/reliability.md states the counts"
     counts = collected(["tests/test_bad_input.py"], BAD_INPUT_ELSEWHERE, FAULTS)
     assert [int(bad.group(1)), int(bad.group(2)), int(faults.group(1))] == counts
+
+
+def test_every_measured_figure_in_the_docs_is_the_last_runs(tmp_path, monkeypatch):
+    """The benchmark tables, the soak table and every figure the pages quote are what
+    benchmarks/results.json (the last `make bench` and `make soak`) gives; a ratio typed into a
+    page by hand, outside the markers, is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import markers
+    import report
+    import soak
+
+    monkeypatch.setattr(report, "PLOTS", tmp_path)  # the plots of this check go nowhere
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert markers.held(benchmarks, "results") == report.body(results).strip()
+    reliability = (ROOT / "docs" / "reliability.md").read_text()
+    assert markers.held(reliability, "soak") == soak.render(results["soak"]).strip()
+    figures = report.figures(results)
+    quoted = 0
+    for page in report.PAGES:
+        text = page.read_text()
+        for name in set(markers.names(text)) - {"results", "soak"}:
+            assert name in figures, f"{page.name}: no benchmark gives the figure {name!r}"
+            assert markers.held(text, name) == figures[name], f"{page.name}: {name}"
+            quoted += 1
+        prose = re.sub(r"<!-- ([\w-]+) -->.*?<!-- /\1 -->|```.*?```", "", text, flags=re.DOTALL)
+        typed = re.findall(r"\b\d+(?:\.\d+)?x\b", prose)
+        assert not typed, f"{page.name} quotes {typed} by hand: put them between markers"
+    assert quoted >= 1

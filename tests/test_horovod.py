@@ -204,16 +204,13 @@ def test_a_killed_rank_stops_the_other_with_a_message(launcher, tmp_path):
         while not pid_file.exists() and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.2)
         assert pid_file.exists(), "rank 1 never started training"
-        time.sleep(0.5)
-        killed_at = time.monotonic()
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        output, _ = job.communicate(timeout=60)
-        elapsed = time.monotonic() - killed_at
+        # The job ends by itself (a job that waits forever fails here instead of hanging CI).
+        output, _ = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0
-    assert elapsed < 60
     if launcher == "horovodrun":
         # The surviving rank notices by itself and says why.
         assert "PeerLost" in output and "another rank of the Horovod job stopped" in output
