@@ -12,8 +12,9 @@ from kmirror import versions
 versions.check()  # before anything that reaches into Keras or TensorFlow
 
 from kmirror import callbacks, cluster, data, devices, errors, reducers  # noqa: E402
-from kmirror.model import MirroredModel, wrap  # noqa: E402
+from kmirror.model import MirroredModel  # noqa: E402
 from kmirror.reducers import REDUCERS  # noqa: E402
+from kmirror.wrapping import wrap  # noqa: E402
 
 __version__ = "0.1.0"
 """kmirror's version.

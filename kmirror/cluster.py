@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import tensorflow as tf
 
 from kmirror import tf_hooks
 
-__all__ = ["is_chief", "connect", "connected", "joined", "describe", "Cluster"]
+__all__ = ["is_chief", "process", "connect", "connected", "joined", "describe", "Cluster"]
 
 
 def is_chief(model=None) -> bool:
@@ -41,12 +42,29 @@ def is_chief(model=None) -> bool:
     """
     if model is not None and hasattr(model, "is_chief"):
         return bool(model.is_chief)
+    return process()[0] == 0
+
+
+def process() -> tuple[int, int]:
+    """`(this process's index, the job's number of processes)`: the multi-worker cluster joined
+    with `kmirror.cluster.connect()`, else Horovod's rank and size, else `TF_CONFIG`'s cluster,
+    else `(0, 1)`. The chief is process 0.
+
+    Example:
+
+    ```python
+    index, count = kmirror.cluster.process()   # (0, 1) in a script run alone
+    ```
+    """
     if _connected is not None:
-        return _connected.is_chief
-    if "HOROVOD_RANK" in os.environ:
-        return os.environ["HOROVOD_RANK"] == "0"
-    workers = describe()  # TF_CONFIG's cluster, with the chief rule of Cluster
-    return workers.is_chief if workers is not None else True
+        return _connected.index, _connected.num_workers
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is not None and hvd.is_initialized():  # launched by mpirun as well
+        return hvd.rank(), hvd.size()
+    if "HOROVOD_RANK" in os.environ and "HOROVOD_SIZE" in os.environ:
+        return int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    workers = describe()  # TF_CONFIG's cluster, not joined yet
+    return (workers.index, workers.num_workers) if workers is not None else (0, 1)
 
 
 class Cluster:

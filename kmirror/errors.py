@@ -16,7 +16,12 @@ except kmirror.errors.PeerLost as lost:     # another process of the job stopped
 
 from __future__ import annotations
 
-__all__ = ["PeerLost", "NonFiniteLoss", "reason"]
+import keras
+
+__all__ = ["PeerLost", "NonFiniteLoss", "reason", "NonFiniteWatch", "NON_FINITE"]
+
+#: The marker of the training step's check that the global loss is finite.
+NON_FINITE = "kmirror: the global loss is not finite"
 
 
 class PeerLost(RuntimeError):
@@ -33,6 +38,29 @@ class NonFiniteLoss(FloatingPointError):
     Every process sees the same global loss, so all stop at the same step. The model given to
     `kmirror.wrap` is unchanged; the wrapped model's weights hold the non-finite update.
     """
+
+
+class NonFiniteWatch(keras.callbacks.Callback):
+    """Where training is, for the message of `NonFiniteLoss` (epoch hooks only: Keras still
+    dispatches the batch hooks without waiting for the step's logs)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch, self.first_step = epoch, _steps(self.model)
+
+    def describe_non_finite(self) -> str:
+        batch = _steps(self.model) - self.first_step  # the failed step's update was applied
+        return (
+            f"kmirror: the training loss became NaN or infinite at epoch {self.epoch + 1}, batch "
+            f"{batch}; every process stopped at this step. Look for NaN or infinite values in the "
+            "data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients (e.g. "
+            "optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the last "
+            "checkpoint. The model passed to kmirror.wrap is unchanged; this wrapped model's "
+            "weights hold the non-finite update."
+        )
+
+
+def _steps(model) -> int:
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
 
 
 _TELLING = ("connection", "collective", "timed out", "unavailable", "reset", "closed", "shut down")

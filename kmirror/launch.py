@@ -28,26 +28,21 @@ print(kmirror.launch.run(rank_and_size, n=2, timeout=120))   # [(0, 2), (1, 2)]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import pickle
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+
+from kmirror import rendezvous, supervisor
 
 __all__ = ["launch", "run", "main"]
 
 MODES = ("horovod", "ring")
-#: Seconds the other processes get to exit after one failed, before they are killed.
-GRACE_SECONDS = 10.0
 
 
 def launch(
@@ -86,12 +81,12 @@ def launch(
     """
     _check(n, mode)
     output = output or sys.stdout
-    with _job_environment(n, mode, port) as rank_envs:
+    with rendezvous.job_environment(n, mode, port) as rank_envs:
         processes = []
         for rank_env in rank_envs:
             process = subprocess.Popen(
                 list(command),
-                env={**os.environ, **_python_path(), **(env or {}), **rank_env},
+                env={**os.environ, **rendezvous.python_path(), **(env or {}), **rank_env},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -102,12 +97,14 @@ def launch(
             processes.append(process)
         lock = threading.Lock()
         streams = [
-            threading.Thread(target=_stream, args=(p, f"[{rank}] ", output, lock), daemon=True)
+            threading.Thread(
+                target=supervisor.stream, args=(p, f"[{rank}] ", output, lock), daemon=True
+            )
             for rank, p in enumerate(processes)
         ]
         for stream in streams:
             stream.start()
-        code = _supervise(processes, timeout, output, lock)
+        code = supervisor.supervise(processes, timeout, output, lock)
         for stream in streams:
             stream.join(timeout=5)
     return code
@@ -215,167 +212,21 @@ def _check(n: int, mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}.")
 
 
-@contextlib.contextmanager
-def _job_environment(n: int, mode: str, port: int | None) -> Iterator[list[dict[str, str]]]:
-    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65536 - n):
-        raise ValueError(f"port must be a whole number from 1 to {65536 - n}; got {port!r}.")
-    if mode == "ring":
-        yield _tf_config_environment(n, port)
-        return
-    with _horovod_environment(n, port) as envs:
-        yield envs
-
-
-def _tf_config_environment(n: int, port: int | None = None) -> list[dict[str, str]]:
-    """A TF_CONFIG per worker, naming a loopback port for each (free ones unless given)."""
-    if port is None:
-        ports = _free_ports(n)
-    else:
-        ports = list(range(port, port + n))
-        for p in ports:
-            _check_free(p)
-    workers = [f"127.0.0.1:{p}" for p in ports]
-    return [
-        {
-            "TF_CONFIG": json.dumps(
-                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-            )
-        }
-        for index in range(n)
-    ]
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 right now (held open together, so all differ)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
-def _check_free(port: int) -> None:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            raise OSError(
-                f"kmirror.launch: port {port} on 127.0.0.1 is in use by another program; pass "
-                "another port (--port), or none to let the launcher pick free ports."
-            ) from None
-
-
-@contextlib.contextmanager
-def _horovod_environment(n: int, port: int | None) -> Iterator[list[dict[str, str]]]:
-    """A Gloo rendezvous server on loopback (a free port unless given) and each rank's Horovod
-    variables."""
-    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
-    from horovod.runner.gloo_run import create_slot_env_vars
-    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-
-    if port is not None:
-        _check_free(port)
-    server = RendezvousHTTPServer(("127.0.0.1", port or 0), RendezvousHandler, 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        slots = get_host_assignments(parse_hosts(f"localhost:{n}"), n)
-        server.init(slots)
-        common = {
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.server_address[1]),
-            "HOROVOD_CONTROLLER": "gloo",
-            "HOROVOD_CPU_OPERATIONS": "gloo",
-            "HOROVOD_GLOO_IFACE": "lo",
-        }
-        yield [{**common, **create_slot_env_vars(slot)} for slot in slots]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _python_path() -> dict[str, str]:
-    """Children import what this process can (the caller's modules, for `run`)."""
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))}
-
-
-# -- supervising --------------------------------------------------------------------------------
-def _stream(process: subprocess.Popen, prefix: str, output: TextIO, lock: threading.Lock) -> None:
-    for line in process.stdout:
-        with lock:
-            output.write(prefix + line)
-            output.flush()
-
-
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else code
-
-
-def _supervise(processes, timeout, output, lock) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    failed = None
-    while True:
-        codes = [p.poll() for p in processes]
-        if failed is None:
-            failed = next(((rank, c) for rank, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None and any(c is None for c in codes):
-                _say(
-                    output,
-                    lock,
-                    f"rank {failed[0]} exited with code {_exit_code(failed[1])}; "
-                    "stopping the other ranks",
-                )
-                _stop(processes)
-        if all(c is not None for c in codes):
-            return _exit_code(failed[1]) if failed else 0
-        if deadline is not None and time.monotonic() > deadline:
-            _say(output, lock, f"timeout: the job ran longer than {timeout:g} s; killing it")
-            _stop(processes, grace=0)
-            return 124
-        time.sleep(0.05)
-
-
-def _stop(processes, grace: float = GRACE_SECONDS) -> None:
-    """SIGTERM to every running process group, then SIGKILL to those still there after `grace`."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        running = [p for p in processes if p.poll() is None]
-        for p in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
-        end = time.monotonic() + wait
-        while time.monotonic() < end and any(p.poll() is None for p in running):
-            time.sleep(0.05)
-
-
-def _say(output: TextIO, lock: threading.Lock, message: str) -> None:
-    with lock:
-        output.write(f"kmirror.launch: {message}\n")
-        output.flush()
-
-
 # -- the child side of run() --------------------------------------------------------------------
-def _rank() -> int:
-    if "HOROVOD_RANK" in os.environ:
-        return int(os.environ["HOROVOD_RANK"])
-    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task") or {}
-    return int(task.get("index", 0))
-
-
 def _call(call: Path, mode: str | None, simulate: int | None) -> int:
     import cloudpickle
+
+    from kmirror import cluster
 
     if simulate:
         from kmirror import devices
 
         devices.simulate(simulate)
     if mode == "ring":
-        from kmirror import cluster
-
         cluster.connect()
     fn, args, kwargs = pickle.loads(call.read_bytes())
     result = fn(*args, **kwargs)
-    call.with_name(f"result-{_rank()}.pkl").write_bytes(cloudpickle.dumps(result))
+    call.with_name(f"result-{cluster.process()[0]}.pkl").write_bytes(cloudpickle.dumps(result))
     return 0
 
 

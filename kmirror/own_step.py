@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks, metric_states, step
+from kmirror import keras_hooks, metric_states, placement
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -192,15 +192,15 @@ def _run(
     place=None,
 ):
     """`method(rows)` on every replica; the first local replica's result (all are equal).
-    `data` is the global batch, or this process's rows of it at `place` (`step.split`)."""
-    shards = step.split(reducer, data, place)
+    `data` is the global batch, or this process's rows of it at `place` (`placement.split`)."""
+    shards = placement.split(reducer, data, place)
 
     def local(shard):
         rows_data, start, total = shard
-        start, total = step.placed(reducer, rows_data, start, total, place)
+        start, total = placement.placed(reducer, rows_data, start, total, place)
         rows = keras_hooks.Rows(
             start=start,
-            count=step.batch_size(rows_data),
+            count=placement.batch_size(rows_data),
             total=total,
             all_sum=reducer.all_sum,
             global_statistics=global_statistics,

@@ -27,9 +27,57 @@ import numpy as np
 import tensorflow as tf
 
 from kmirror import keras_hooks
-from kmirror.data import _PLACE, _ROWS, RowDataset, bounds
+from kmirror.rows import PLACE, ROWS, bounds
 
-__all__ = ["readable", "Batches"]
+__all__ = ["RowDataset", "readable", "Batches"]
+
+
+class RowDataset(keras.utils.PyDataset):
+    """A `PyDataset` whose batches a job loads in parts: each process loads only its rows.
+
+    Define `__len__` (the number of batches), `batch_rows(index)` (which samples batch `index`
+    holds: cheap, such as file names or record numbers) and `load(rows)` (the batch of those
+    samples, in that order: the expensive work). A batch is `load(batch_rows(index))`, so on one
+    device and in plain Keras this is an ordinary `PyDataset`; in a job of several processes,
+    process `p` of `P` loads rows `[p*B//P, (p+1)*B//P)` of each batch of `B` rows (possibly none:
+    `load` then gets an empty list, and its result must have 0 rows). Batches are drawn in the
+    order Keras draws them (`shuffle=True` included), so training is the single-device one.
+
+    Example:
+
+    ```python
+    import keras, kmirror, numpy as np
+    x, y = np.random.rand(100, 8).astype("float32"), np.random.rand(100, 1).astype("float32")
+
+    class Rows(kmirror.data.RowDataset):
+        def __len__(self):
+            return 4                                # batches of 25 rows
+
+        def batch_rows(self, index):                # cheap: which samples (file names, ...)
+            return list(range(index * 25, (index + 1) * 25))
+
+        def load(self, rows):                       # the expensive work, on these samples only
+            return x[rows], y[rows]
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model = kmirror.wrap(model, reducer="one_device")
+    model.fit(Rows(), epochs=1, shuffle=True)       # each process loads only its rows
+    ```
+    """
+
+    def batch_rows(self, index: int):
+        """The samples of batch `index`, as a sequence `load` takes (in order)."""
+        raise NotImplementedError(f"{type(self).__name__} must define batch_rows(index).")
+
+    def load(self, rows):
+        """The batch holding samples `rows` (a slice of `batch_rows`' sequence), like `__getitem__`
+        returns: `(x, y)`, `(x, y, sample_weight)`, `(x,)` or a dict."""
+        raise NotImplementedError(f"{type(self).__name__} must define load(rows).")
+
+    def __getitem__(self, index: int):
+        return self.load(self.batch_rows(index))
+
 
 # The element specs of each PyDataset read so far, found from its first two batches once.
 _specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -107,14 +155,14 @@ class Batches:
         rows = list(self.source.batch_rows(i))
         start, stop = bounds(len(rows), *self._where)
         batch = self._standard(self.source.load(rows[start:stop]))
-        return {_ROWS: batch, _PLACE: np.array([start, len(rows)], np.int64)}
+        return {ROWS: batch, PLACE: np.array([start, len(rows)], np.int64)}
 
 
 def _any_rows(spec):
     """`spec` with any number of rows per batch (an element's first dimension None); a row
     place keeps its two values."""
-    if isinstance(spec, dict) and set(spec) == {_ROWS, _PLACE}:
-        return {_ROWS: _any_rows(spec[_ROWS]), _PLACE: tf.TensorSpec([2], tf.int64)}
+    if isinstance(spec, dict) and set(spec) == {ROWS, PLACE}:
+        return {ROWS: _any_rows(spec[ROWS]), PLACE: tf.TensorSpec([2], tf.int64)}
 
     def one(s):
         if isinstance(s, tf.TensorSpec) and s.shape.rank:

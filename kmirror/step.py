@@ -1,10 +1,10 @@
 """The data-parallel step: split the global batch, compute local gradients, reduce once, apply.
 
-Replica `r` of `n` takes rows `[r*B//n, (r+1)*B//n)` of the global batch (or, when a process holds
-only its rows of it, `kmirror.data`, its share of those, knowing where they sit) and computes its
-part of the single-device loss of the global batch: Keras' losses divide by the global batch's
-normalisers (rows, sample weights, unmasked entries), BatchNormalization uses the global batch's
-statistics and random layers take the replica's rows of the draw one device would
+Replica `r` of `n` takes rows `[r*B//n, (r+1)*B//n)` of the global batch (or, when a process
+holds only its rows of it, its share of those, knowing where they sit: `kmirror.placement`) and
+computes its part of the single-device loss of the global batch: Keras' losses divide by the
+global batch's normalisers (rows, sample weights, unmasked entries), BatchNormalization uses the
+global batch's statistics and random layers take the replica's rows of the draw one device would
 make (`kmirror.keras_hooks`). The parts add up to the single-device loss, whatever B and n are, and
 so do their gradients.
 
@@ -15,92 +15,24 @@ taken once per update, from the accumulated local gradients.
 
 The step returns the global loss and what the model's logs need: for Keras' built-in metrics, the
 sum over replicas of what each replica's rows add to their states (`kmirror.metric_states`); for
-other metrics and per-output losses, the predictions of the whole batch, gathered in row order. The
-model updates its Keras metrics once per global batch, exactly as on one device.
+other metrics and per-output losses, the predictions of the whole batch, gathered in row order
+(`kmirror.logged`). The model updates its Keras metrics once per global batch, exactly as on one
+device.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import keras
 import tensorflow as tf
 
-from kmirror import data as data_lib
-from kmirror import keras_hooks, metric_states
+from kmirror import keras_hooks
+from kmirror.logged import Logged, Outcome
+from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
 
-__all__ = [
-    "shard",
-    "split",
-    "batch_size",
-    "train",
-    "evaluate",
-    "predict",
-    "Logged",
-    "Outcome",
-    "located",
-    "placed",
-    "global_rows",
-    "one_call_per_step",
-]
-
-
-def batch_size(data: Any) -> tf.Tensor:
-    """The number of rows of a (nested) batch, from its first tensor."""
-    first = next(t for t in tf.nest.flatten(data) if t is not None)
-    return tf.shape(first)[0]
-
-
-def shard(data: Any, index: int, count: int) -> Any:
-    """Rows `[index*B//count, (index+1)*B//count)` of every tensor in `data`."""
-    start, stop = data_lib.bounds(batch_size(data), index, count)
-    return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], data)
-
-
-def split(reducer: Reducer, data: Any, place: Any = None) -> Any:
-    """Per replica: (its rows of `data`, the index of its first row in the global batch, the
-    global batch's rows).
-
-    `place` says what `data` is (`kmirror.data.unpack`): None, the global batch (every process
-    holds it whole); a tensor `[first row, global rows]`, this process's rows of the global batch;
-    `COUNTED`, this process's rows of a global batch made of every process's rows (the replica
-    finds its place with `located`); per-replica values, each replica's rows already on its
-    device (`kmirror.data.on_devices`).
-    """
-    if place is None:
-        total = batch_size(data)
-
-        def rows_of(index, count):
-            start, _ = data_lib.bounds(total, index, count)
-            return shard(data, index, count), start, total
-
-        # tf.nest keeps None leaves (absent y or sample_weight) as they are.
-        return reducer.distribute(rows_of)
-    if isinstance(place, tf.distribute.DistributedValues):  # already on the replicas' devices
-        return reducer.run(_with_place, args=(data, place))
-    rows = batch_size(data)
-    counted = place is data_lib.COUNTED
-    first, total = (0, -1) if counted else tf.unstack(tf.cast(place, rows.dtype))
-
-    def local_rows(index, count):
-        start, _ = data_lib.bounds(rows, index, count)
-        return shard(data, index, count), first + start, total
-
-    return reducer.distribute_local(local_rows)
-
-
-def _with_place(rows, place) -> tuple:
-    place = tf.cast(place, tf.int32)  # its shape is relaxed to (None,) by tf.distribute
-    return rows, place[0], place[1]
-
-
-def located(reducer: Reducer, rows) -> tuple:
-    """In replica context, for a batch of `COUNTED` place: `(the replica's first row, the global
-    batch's rows)`, from every replica's row count (gathered in replica order)."""
-    counts = reducer.all_gather(tf.reshape(tf.cast(rows, tf.int32), [1]))
-    before = tf.range(tf.shape(counts)[0]) < tf.cast(reducer.replica_index(), tf.int32)
-    return tf.reduce_sum(tf.where(before, counts, 0)), tf.reduce_sum(counts)
+__all__ = ["train", "evaluate", "predict", "one_call_per_step"]
 
 
 def _call(model: keras.Model, x, training: bool):
@@ -183,109 +115,6 @@ def train(
     grads = _reduce(reducer, optimizer, grads, variables)
     reducer.run(lambda grads: optimizer.apply(grads, variables), args=(grads,))
     return logged.combine(reducer, local)
-
-
-def global_rows(reducer: Reducer, data: Any, place: Any = None) -> tf.Tensor:
-    """The rows of the global batch of which `data` holds all (place None) or its process's."""
-    if place is None:
-        return batch_size(data)
-    if isinstance(place, tf.distribute.DistributedValues):
-        return tf.cast(reducer.local_values(place)[0][1], tf.int32)
-    if place is not data_lib.COUNTED:
-        return tf.cast(place[1], tf.int32)
-    shards = split(reducer, data, place)
-    return reducer.sum(reducer.run(lambda shard: batch_size(shard[0]), args=(shards,)))
-
-
-def placed(reducer: Reducer, x, start, total, place) -> tuple:
-    """In replica context: the replica's first row and the global batch's rows."""
-    return located(reducer, batch_size(x)) if place is data_lib.COUNTED else (start, total)
-
-
-class Outcome(NamedTuple):
-    """What a step hands back for the logs."""
-
-    #: The loss of the global batch.
-    loss: tf.Tensor
-    #: The rows of the global batch.
-    rows: tf.Tensor
-    #: The predictions of the global batch, gathered in row order, or None.
-    y_pred: Any = None
-    #: The replicas' summed contributions to the metric states (`kmirror.metric_states`), or None.
-    metric_sum: tf.Tensor | None = None
-    #: `(y, sample_weight)` of the global batch, gathered with the predictions when each process
-    #: holds only its rows; None otherwise (the batch has them).
-    targets: Any = None
-
-
-class Logged:
-    """What a step hands back for the model's logs: the global loss, and
-
-    with `metrics` (compiled metrics whose states add up, `kmirror.metric_states`), each replica's
-    contribution to their states, summed over the replicas in the same all-reduce as the loss;
-    with `gather`, the whole batch's predictions, gathered in row order (for metrics and
-    per-output losses that need them), and its targets when each process holds only its rows.
-    """
-
-    def __init__(
-        self,
-        metrics: keras.metrics.Metric | None = None,
-        gather: bool = True,
-        gather_nested: bool = False,
-    ):
-        self.metrics = metrics
-        self.gather = gather
-        #: Also gather when the model has several outputs (their compiled losses are logged).
-        self.gather_nested = gather_nested
-        #: The batch holds this process's rows only: gather the targets with the predictions.
-        self.local_rows = False
-
-    @classmethod
-    def of(cls, metrics: keras.metrics.Metric | None, compiled_loss: bool) -> Logged:
-        """What a model with these compiled metrics (and a compiled loss or not) logs from."""
-        if metrics is not None and not metric_states.adds_up(metrics):
-            return cls(gather=True)
-        states = metrics if metrics is not None and metrics.variables else None
-        return cls(metrics=states, gather=False, gather_nested=compiled_loss)
-
-    def holding(self, place) -> Logged:
-        """This, for a batch at `place` (`split`)."""
-        self.local_rows = place is not None
-        return self
-
-    def local(self, loss, y, outputs, sample_weight, total) -> tuple:
-        """In replica context: what this replica contributes (its loss part among them)."""
-        y_pred, masks = outputs
-        self.gather = self.gather or (self.gather_nested and tf.nest.is_nested(y_pred))
-        self.loss_dtype = loss.dtype
-        found = (total,)
-        if self.gather:
-            found += (outputs, (y, sample_weight)) if self.local_rows else (outputs,)
-        if self.metrics is None:
-            return (*found, loss)
-        # The loss part travels with the metric contributions: one sum for both.
-        y_pred = keras_hooks.with_masks(y_pred, masks)
-        contribution = metric_states.contribution(
-            self.metrics, y, y_pred, sample_weight=sample_weight
-        )
-        return (*found, tf.concat([tf.reshape(tf.cast(loss, tf.float64), [1]), contribution], 0))
-
-    def combine(self, reducer: Reducer, local: tuple) -> Outcome:
-        """The `Outcome` of the replicas' values."""
-        local = iter(local)
-        rows = reducer.local_values(next(local))[0]
-        y_pred = _gathered(reducer, next(local)) if self.gather else None
-        targets = reducer.concat(next(local)) if self.gather and self.local_rows else None
-        total = reducer.sum(next(local))
-        if self.metrics is None:
-            return Outcome(total, rows, y_pred, None, targets)
-        return Outcome(tf.cast(total[0], self.loss_dtype), rows, y_pred, total[1:], targets)
-
-
-def _gathered(reducer: Reducer, outputs):
-    """The replicas' (predictions, masks) joined into the whole batch's predictions."""
-    y_pred, masks = outputs
-    return keras_hooks.with_masks(reducer.concat(y_pred), reducer.concat(masks))
 
 
 def _reduce(reducer: Reducer, optimizer, grads: list, variables: list) -> list:

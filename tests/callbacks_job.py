@@ -34,7 +34,7 @@ elif reducer != "horovod":
 import keras  # noqa: E402
 from models import BATCH, Rows, dense_data, dense_model  # noqa: E402
 
-rank = kmirror.launch._rank()
+rank = kmirror.cluster.process()[0]
 x, y = dense_data()
 xv, yv = dense_data(n=40, seed=5)
 

@@ -43,7 +43,7 @@ def fit(model, *args, **kwargs):
 
 
 def main(out):
-    rank = kmirror.launch._rank()
+    rank = kmirror.cluster.process()[0]
     seed = 1 + 10 * rank  # different initial weights on every rank
     x, y = dense_data()
     results = {}
@@ -106,10 +106,10 @@ def main(out):
     for num_packs in (0, 3) if REDUCER == "horovod" else ():
         reducer = kmirror.reducers.Horovod(num_packs=num_packs)
         model = kmirror.wrap(multi_io_model("sgd", seed=seed), reducer=reducer)
-        default = kmirror.reducers.horovod.PACK_BELOW_BYTES
-        kmirror.reducers.horovod.PACK_BELOW_BYTES = 256
+        default = kmirror.reducers.packing.PACK_BELOW_BYTES
+        kmirror.reducers.packing.PACK_BELOW_BYTES = 256
         history = fit(model, xs, ys, sample_weight=weights, epochs=EPOCHS)
-        kmirror.reducers.horovod.PACK_BELOW_BYTES = default
+        kmirror.reducers.packing.PACK_BELOW_BYTES = default
         results[f"multi_io, num_packs={num_packs}"] = {
             "weights": model.get_weights(),
             "history": history,

@@ -44,10 +44,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     a number of batches, a `kmirror.wrap` model resumes inside the interrupted epoch: it skips the
     batches already trained and draws the others as the uninterrupted run does, and ends with its
     weights and optimizer state (Keras restarts the interrupted epoch). The batches are skipped
-    exactly for numpy arrays, `tf.data` datasets (a seeded `shuffle` included) and `PyDataset`s of
-    known length (shuffled too: the backup keeps the state of Python's `random` module that the
-    epoch's batch order is drawn from); a generator, a `PyDataset` of unknown length, or
-    `fit(steps_per_epoch=...)` restart the interrupted epoch, with a warning.
+    exactly for numpy arrays, `tf.data` (a seeded `shuffle` too) and PyDatasets of known length
+    (shuffled too); other input restarts the epoch, with a warning (docs/callbacks.md).
 
     A backup is a weights file and a small `backup.json` naming it with a checksum, each written
     under a temporary name and renamed into place, so a crash at any moment leaves a complete
@@ -94,6 +92,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._first_step = 0  # batches of the current epoch trained before this fit
         self._since_backup = 0
         self._backed_up: Position | None = None
+        self._written: dict = {}  # the index entry in the folder (the chief's)
 
     # -- what a relaunch resumes from ----------------------------------------------------------
     def latest(self) -> Backup | None:
@@ -121,11 +120,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         raise ValueError(self._corrupt(f"{entries[-1]['weights']} is missing or corrupt"))
 
     def _corrupt(self, what: str) -> str:
-        fallback = (
-            ""
-            if self.double_checkpoint
-            else (", or pass double_checkpoint=True to keep a previous backup to fall back to")
-        )
+        fallback = ", or pass double_checkpoint=True to keep a previous backup to fall back to"
+        fallback = "" if self.double_checkpoint else fallback
         return (
             f"kmirror.callbacks.BackupAndRestore: the backup in {self.backup_dir} cannot be "
             f"resumed: {what}. Delete the folder to train from the start{fallback}."
@@ -141,6 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         if cluster.is_chief(model):
             check_writable(self.backup_dir, "backups")
+            self._written = json.loads(self._index.read_text()) if self._index.exists() else {}
         agreed, self._agreed = self._agreed, None
         if agreed is None and not hasattr(model, "take_chief_state"):
             agreed = self._for_plain_model()
@@ -192,7 +189,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._back_up(done)
         elif self._every and self._backed_up == self._position and cluster.is_chief(self.model):
             # The last backup holds the whole epoch: resume at the next one.
-            self._write_index(done, self._read_index()["weights"])
+            self._write_index(done, self._written["weights"], self._written["sha256"])
         self._first_step = 0
 
     def on_train_end(self, logs=None):
@@ -212,26 +209,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         weights = f"epoch{position.epoch:05d}-step{position.step:07d}.weights.h5"
         with atomic_path(self.backup_dir / weights) as partial:
             self.model.save_weights(partial, overwrite=True)
-        self._write_index(position, weights)
+        self._write_index(position, weights, _digest(self.backup_dir / weights))
 
-    def _read_index(self) -> dict:
-        return json.loads(self._index.read_text()) if self._index.exists() else {}
-
-    def _write_index(self, position: Position, weights: str) -> None:
-        before = self._read_index()
+    def _write_index(self, position: Position, weights: str, sha256: str) -> None:
+        before = self._written
         entry = {
             "epoch": position.epoch,
             "step": position.step,
             "weights": weights,
-            "sha256": _digest(self.backup_dir / weights),
+            "sha256": sha256,
             "python_random": self._python_random(position),
         }
-        if self.double_checkpoint and before and before["weights"] != weights:
-            entry["previous"] = {k: v for k, v in before.items() if k != "previous"}
-        elif self.double_checkpoint and before.get("previous"):
-            entry["previous"] = before["previous"]
+        previous = before if before.get("weights") != weights else before.get("previous")
+        if self.double_checkpoint and previous:
+            entry["previous"] = {k: v for k, v in previous.items() if k != "previous"}
         with atomic_path(self._index) as partial, open(partial, "w") as f:
             json.dump(entry, f)
+        self._written = entry
         kept = {weights, entry.get("previous", {}).get("weights")}
         for old in self.backup_dir.glob("*.weights.h5"):
             if old.name not in kept:

@@ -80,8 +80,9 @@ class Reducer:
 
     @property
     def is_chief(self) -> bool:
-        """True in exactly one process of the job."""
-        return True
+        """True in exactly one process of the job: process 0, which writes checkpoints and
+        summaries (`kmirror.cluster.is_chief` follows the same rule)."""
+        return self.process_index == 0
 
     @property
     def num_processes(self) -> int:

@@ -94,10 +94,6 @@ class Collective(Reducer):
             )
 
     @property
-    def is_chief(self) -> bool:
-        return self.cluster.is_chief
-
-    @property
     def num_processes(self) -> int:
         return self.cluster.num_workers
 

@@ -21,12 +21,9 @@ from kmirror import devices as devices_lib
 from kmirror.errors import PeerLost, reason
 from kmirror.reducers import compression as compression_lib
 from kmirror.reducers.base import Reducer, check_num_packs
+from kmirror.reducers.packing import packed_broadcast, packed_sum
 
-__all__ = ["Horovod", "PACK_BELOW_BYTES"]
-
-#: Gradients smaller than this are packed together before the all-reduce; larger ones are sent
-#: as they are.
-PACK_BELOW_BYTES = 1024 * 1024
+__all__ = ["Horovod"]
 
 
 def _import_horovod():
@@ -63,11 +60,12 @@ class Horovod(Reducer):
         sparse_as_dense: all-reduce sparse gradients (Embedding) as dense tensors instead of
             gathering their rows; faster when most rows are touched.
         num_packs: how many flat buffers kmirror concatenates the small dense gradients (under
-            `PACK_BELOW_BYTES`, 1 MiB) into before the all-reduce, per dtype; larger gradients
-            travel as they are. 0 hands every gradient to Horovod by itself and leaves the
-            packing to Horovod's tensor fusion (`HOROVOD_FUSION_THRESHOLD`), which still costs a
-            negotiation per gradient: on models of many small layers, much slower. The default,
-            2, measured fastest (`make bench`, fusion section).
+            1 MiB, `kmirror.reducers.packing.PACK_BELOW_BYTES`) into before the all-reduce, per
+            dtype; larger gradients travel as they are. 0 hands every gradient to Horovod by
+            itself and leaves the packing to Horovod's tensor fusion
+            (`HOROVOD_FUSION_THRESHOLD`), which still costs a negotiation per gradient: on models
+            of many small layers, much slower. The default, 2, measured fastest (`make bench`,
+            fusion section).
     """
 
     name = "horovod"
@@ -119,10 +117,6 @@ class Horovod(Reducer):
         return self._hvd.rank()
 
     @property
-    def is_chief(self) -> bool:
-        return self._hvd.rank() == 0
-
-    @property
     def num_processes(self) -> int:
         return self._hvd.size()
 
@@ -158,7 +152,7 @@ class Horovod(Reducer):
             compressed = [self.compression.compress(gradients[i]) for i in dense]
             sent = [t for t, _ in compressed]
             summed = (
-                _packed_sum(hvd, sent, self.num_packs)
+                packed_sum(hvd, sent, self.num_packs)
                 if self.num_packs
                 else hvd.grouped_allreduce(sent, op=hvd.Sum)
             )
@@ -217,7 +211,7 @@ class Horovod(Reducer):
         key = tuple(id(v) for v in variables)
         if getattr(self, "_broadcast_key", None) != key:
             self._broadcast_key = key
-            self._broadcast_fn = tf.function(lambda: _packed_broadcast(self._hvd, variables))
+            self._broadcast_fn = tf.function(lambda: packed_broadcast(self._hvd, variables))
         self._broadcast_fn()
 
     @contextlib.contextmanager
@@ -248,59 +242,3 @@ class Horovod(Reducer):
 
     def describe(self) -> str:
         return f"horovod rank {self.rank} of {self.num_replicas}"
-
-
-def _groups(tensors: list, num_packs: int) -> list[list[int]]:
-    """Indices of `tensors` in packs: per dtype, up to `num_packs` runs of consecutive tensors
-    of about equal size."""
-    by_dtype: dict = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    groups = []
-    for indices in by_dtype.values():
-        sizes = [tensors[i].shape.num_elements() or 1 for i in indices]
-        per_pack = sum(sizes) / num_packs
-        run, filled, done = [], 0, 0
-        for i, size in zip(indices, sizes):
-            run.append(i)
-            filled += size
-            if filled >= per_pack * (done + 1):
-                groups.append(run)
-                run, done = [], done + 1
-        if run:
-            groups.append(run)
-    return groups
-
-
-def _packed_sum(hvd, tensors: list, num_packs: int) -> list:
-    """Sums `tensors` over the processes in one grouped all-reduce: the small ones concatenated
-    into `num_packs` flat buffers per dtype (one negotiation each instead of one per tensor), the
-    large ones as they are (copying them into a buffer would cost more than it saves)."""
-    small = [i for i, t in enumerate(tensors) if _nbytes(t) < PACK_BELOW_BYTES]
-    large = sorted(set(range(len(tensors))) - set(small))
-    groups = [[small[j] for j in g] for g in _groups([tensors[i] for i in small], num_packs)]
-    packs = [tf.concat([tf.reshape(tensors[i], [-1]) for i in g], axis=0) for g in groups]
-    summed = hvd.grouped_allreduce(packs + [tensors[i] for i in large], op=hvd.Sum)
-    out = [None] * len(tensors)
-    for i, total in zip(large, summed[len(packs) :]):
-        out[i] = total
-    for total, group in zip(summed, groups):
-        sizes = tf.stack([tf.size(tensors[i]) for i in group])
-        for i, part in zip(group, tf.split(total, sizes, num=len(group))):
-            out[i] = tf.reshape(part, tf.shape(tensors[i]))
-    return out
-
-
-def _nbytes(tensor) -> int:
-    elements = tensor.shape.num_elements()
-    return PACK_BELOW_BYTES if elements is None else elements * tensor.dtype.size
-
-
-def _packed_broadcast(hvd, variables: list) -> None:
-    """Assigns rank 0's values to `variables`, in one broadcast per dtype."""
-    for group in _groups(variables, 1):
-        values = [variables[i].value for i in group]
-        flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
-        flat = hvd.broadcast(flat, root_rank=0)
-        for value, part in zip(values, tf.split(flat, [v.shape.num_elements() for v in values])):
-            value.assign(tf.reshape(part, value.shape))

@@ -1,0 +1,95 @@
+"""Where kmirror reaches into Keras: the places that decide what a replica's part of a step is.
+
+A replica computes its rows of the global batch. For its part to add up to the single-device step,
+four things Keras decides per call must be decided over the GLOBAL batch instead:
+
+- loss normalisers: a loss' divisor (row count, sum of sample weights, unmasked entries) is the
+  global one, and Keras' own division by the replica count is undone;
+- BatchNormalization: batch statistics are those of the global batch;
+- random draws: a replica takes its rows of the draw one device would make for the whole batch;
+- the optimizer: every replica applies the summed gradient to its own copy of the variables
+  (Keras' TensorFlow optimizer would sum the gradients again, inside `tf.distribute`).
+
+Keras exposes none of these as public API, so `replica` replaces a few functions of `keras.src`
+while a kmirror replica runs (elsewhere they behave exactly as Keras' own). The package also holds
+every other use of Keras internals, so that it is the only place that touches them:
+`model_state` (a model's compile arguments, compiled loss and metrics, symbolic build, copies
+brought up to date, saving cache, the epoch a restored `fit` starts at, its optimizers' variables)
+and `reading` (the order in which Keras' array adapter draws rows, its class weights and validation
+split, what its PyDataset adapter makes of a batch, the data adapter of a distributed dataset,
+the passes Keras begins over a dataset). A Keras upgrade checks this package; kmirror's
+callbacks, which extend Keras' callback classes, also override the methods Keras' own subclasses
+override. Checked on Keras
+3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
+(`make test-compat`).
+"""
+
+from kmirror.keras_hooks.model_state import (
+    accumulation,
+    calls_with_training,
+    compile_arguments,
+    compiled_loss,
+    compiled_metric_list,
+    compiled_metrics,
+    compiled_state,
+    keep_saving_cache,
+    local_optimizer,
+    masks_of,
+    metric_function,
+    no_aggregation,
+    print_msg,
+    refresh_copy,
+    resolve_auto_jit_compile,
+    resume_at_epoch,
+    resumed_epoch,
+    step_functions,
+    symbolic_build,
+    with_masks,
+)
+from kmirror.keras_hooks.reading import (
+    batch_order,
+    batches_spec,
+    class_weighted,
+    distributed_input,
+    first_batch,
+    passes_begun_before,
+    py_dataset_batches,
+    validation_split,
+)
+from kmirror.keras_hooks.replica import Rows, compute_loss, current, install, replica
+
+__all__ = [
+    "Rows",
+    "current",
+    "replica",
+    "install",
+    "compute_loss",
+    "batch_order",
+    "batches_spec",
+    "class_weighted",
+    "distributed_input",
+    "first_batch",
+    "passes_begun_before",
+    "py_dataset_batches",
+    "validation_split",
+    "accumulation",
+    "calls_with_training",
+    "compile_arguments",
+    "compiled_loss",
+    "compiled_metric_list",
+    "compiled_metrics",
+    "compiled_state",
+    "keep_saving_cache",
+    "local_optimizer",
+    "masks_of",
+    "metric_function",
+    "no_aggregation",
+    "print_msg",
+    "refresh_copy",
+    "resolve_auto_jit_compile",
+    "resume_at_epoch",
+    "resumed_epoch",
+    "step_functions",
+    "symbolic_build",
+    "with_masks",
+]

@@ -1,0 +1,236 @@
+"""While a kmirror replica runs: the functions of `keras.src` that decide its part of a step.
+
+A replica computes its rows of the global batch. For its part to add up to the single-device step,
+what Keras decides per call is decided over the GLOBAL batch instead: a loss' divisor (row count,
+sum of sample weights, unmasked entries) is the global one, and Keras' own division by the replica
+count is undone; BatchNormalization's statistics are the global batch's; a random draw is the
+replica's rows of the draw one device would make for the whole batch. `replica(rows)` installs
+these replacements (once) and makes them act for the calls of this thread; elsewhere they behave
+exactly as Keras' own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import tensorflow as tf
+from keras.src import ops
+from keras.src.backend.tensorflow import nn as keras_nn
+from keras.src.backend.tensorflow import random as keras_random
+from keras.src.layers.normalization.batch_normalization import BatchNormalization
+from keras.src.losses import loss as keras_loss
+
+__all__ = ["Rows", "current", "replica", "install", "compute_loss"]
+
+
+@dataclass
+class Rows:
+    """This replica's place in the global batch, and how it sums a value with the others."""
+
+    start: tf.Tensor  # first row of this replica in the global batch
+    count: tf.Tensor  # rows of this replica (may be 0)
+    total: tf.Tensor  # rows of the global batch
+    all_sum: Callable[[tf.Tensor], tf.Tensor]  # sum over every replica (replica context)
+    global_statistics: bool = True  # BatchNormalization over the global batch
+    #: In a model's own step: sums gradients over every replica (replica context), and joins
+    #: every replica's rows of a tensor in row order.
+    reduce_gradients: Callable[[list], list] | None = None
+    all_gather: Callable[[tf.Tensor], tf.Tensor] | None = None
+    #: The scope variables made during the step (an optimizer's, on its first update) need.
+    variable_scope: Callable[[], contextlib.AbstractContextManager] | None = None
+
+    def share(self, dtype) -> tf.Tensor:
+        """This replica's fraction of the global batch's rows."""
+        return tf.math.divide_no_nan(tf.cast(self.count, dtype), tf.cast(self.total, dtype))
+
+
+_state = threading.local()  # tf.distribute runs each replica in a thread of its own
+
+
+def _current() -> Rows | None:
+    return getattr(_state, "rows", None)
+
+
+def current() -> Rows | None:
+    """The rows of the replica running on this thread, or None outside a replica."""
+    return _current()
+
+
+@contextlib.contextmanager
+def replica(rows: Rows) -> Iterator[None]:
+    """Within this block (on this thread) Keras computes replica `rows`' part of the step."""
+    install()
+    previous, _state.rows = _current(), rows
+    try:
+        yield
+    finally:
+        _state.rows = previous
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training: bool) -> tf.Tensor:
+    """The model's loss for these rows (its own `compute_loss` if it has one)."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+# -- loss normalisers ------------------------------------------------------------------------------
+def _reduce_weighted_values(
+    values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None
+):
+    """Keras' reduction, with the divisor of the global batch.
+
+    Returns the replica's exact part of the global loss divided by its share of the rows: the step
+    multiplies every loss by that share, which makes a mean over a replica's rows (a user's own
+    `ops.mean`, a regulariser) exact too. Values are those of Keras' `reduce_weighted_values`.
+    """
+    rows = _current()
+    reduction = keras_loss.standardize_reduction(reduction)
+    if rows is None or reduction == "none" or tuple(values.shape) == ():
+        return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+    # Plain weights: sample weight times the 0/1 mask (Keras normalises the mask by the replica's
+    # own count for the mean reductions; the global count replaces that below).
+    weights = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    if weights is not None:
+        weights = ops.cast(weights, values.dtype)
+        values, weights = keras_loss.squeeze_or_expand_to_same_rank(values, weights)
+        values = values * weights
+    total = ops.sum(values)
+    share = rows.share(total.dtype)
+    if reduction == "sum":
+        return tf.math.divide_no_nan(total, share)
+    size = tf.cast(tf.size(values), total.dtype)
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        divisor = rows.all_sum(tf.stop_gradient(ops.sum(weights)))
+    elif mask is not None:
+        valid = ops.sum(ops.cast(mask, total.dtype))
+        entries = tf.cast(tf.size(mask), total.dtype)
+        divisor = rows.all_sum(tf.stop_gradient(tf.math.divide_no_nan(valid * size, entries)))
+    else:
+        # Every replica's rows have the same shape: the mean over this replica's rows is exact.
+        return tf.math.divide_no_nan(total, size)
+    return tf.math.divide_no_nan(total, divisor * share)
+
+
+def _scale_loss_for_distribution(value):
+    # kmirror weighs each replica's loss by its share of the rows; Keras' 1/replicas is undone.
+    if _current() is not None:
+        return value
+    return _ORIGINAL["scale_loss_for_distribution"](value)
+
+
+def _unscale_loss_for_distribution(value):
+    # The replica's loss is its mean, not 1/replicas of it: nothing to unscale.
+    if _current() is not None:
+        return value
+    return _ORIGINAL["unscale_loss_for_distribution"](value)
+
+
+# -- BatchNormalization ----------------------------------------------------------------------------
+def _compute_moments_sync(x, axes, keepdims):
+    """Mean and variance of the global batch, computed as `tf.nn.moments` computes them on one
+    device (mean first, then the mean squared difference), with sums over every replica."""
+    rows = _current()
+    if rows is None:
+        return _ORIGINAL["_compute_moments_sync"](x, axes, keepdims)
+    count = rows.all_sum(tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True))
+    mean = tf.math.divide_no_nan(rows.all_sum(tf.reduce_sum(x, axis=axes, keepdims=True)), count)
+    squared = tf.math.squared_difference(x, tf.stop_gradient(mean))
+    variance = tf.math.divide_no_nan(
+        rows.all_sum(tf.reduce_sum(squared, axis=axes, keepdims=True)), count
+    )
+    if not keepdims:
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+    return mean, variance
+
+
+def _batch_norm_moments(layer, inputs, mask):
+    rows = _current()
+    if rows is None or mask is not None or not rows.global_statistics:
+        return _ORIGINAL["_moments"](layer, inputs, mask)
+    return ops.moments(inputs, axes=layer._reduction_axes, synchronized=True)
+
+
+# -- random draws ----------------------------------------------------------------------------------
+def _global_shape(shape, rows: Rows):
+    """(shape of the draw one device makes, first row of this replica in it) when the draw's first
+    dimension is this replica's rows; else the draw as it is."""
+    shape = tf.convert_to_tensor(shape)
+    if shape.shape.rank != 1 or shape.shape[0] == 0:
+        return shape, None
+    first = tf.cast(shape[0], tf.int64)
+    batch = tf.equal(first, tf.cast(rows.count, tf.int64))
+    wide = tf.where(batch, tf.cast(rows.total, tf.int64), first)
+    start = tf.where(batch, tf.cast(rows.start, tf.int64), tf.constant(0, tf.int64))
+    return tf.concat([tf.cast([wide], shape.dtype), shape[1:]], 0), (start, first)
+
+
+def _rows_of(draw, place):
+    if place is None:
+        return draw
+    start, count = place
+    return draw[start : start + count]
+
+
+def _drawing(name: str):
+    original = _ORIGINAL[name]
+
+    def draw(shape, *args, **kwargs):
+        rows = _current()
+        if rows is None:
+            return original(shape, *args, **kwargs)
+        wide, place = _global_shape(shape, rows)
+        return _rows_of(original(wide, *args, **kwargs), place)
+
+    draw.__name__ = name
+    return draw
+
+
+def _dropout(inputs, rate, noise_shape=None, seed=None):
+    rows = _current()
+    if rows is None:
+        return _ORIGINAL["dropout"](inputs, rate, noise_shape=noise_shape, seed=seed)
+    inputs = tf.convert_to_tensor(inputs)
+    noise_shape = keras_random._get_concrete_noise_shape(inputs, noise_shape)
+    wide, place = _global_shape(noise_shape, rows)
+    # The scaled keep-mask one device would draw for the whole batch, this replica's rows of it.
+    kept = _ORIGINAL["dropout"](tf.ones(wide, inputs.dtype), rate, seed=seed)
+    kept = _rows_of(kept, place)
+    return tf.where(tf.not_equal(kept, 0), inputs * kept, tf.zeros_like(inputs))
+
+
+# -- installing ------------------------------------------------------------------------------------
+_RANDOM = ("normal", "uniform", "truncated_normal", "randint")
+_ORIGINAL: dict[str, Callable] = {}
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Puts kmirror's versions in place (once per process). Outside a replica they call Keras'."""
+    with _install_lock:
+        if _ORIGINAL:
+            return
+        targets = [
+            (keras_loss, "reduce_weighted_values", _reduce_weighted_values),
+            (keras_loss, "scale_loss_for_distribution", _scale_loss_for_distribution),
+            (keras_loss, "unscale_loss_for_distribution", _unscale_loss_for_distribution),
+            (keras_nn, "_compute_moments_sync", _compute_moments_sync),
+            (BatchNormalization, "_moments", _batch_norm_moments),
+            (keras_random, "dropout", _dropout),
+        ]
+        for module, name, _ in targets:
+            _ORIGINAL[name] = getattr(module, name)
+        for name in _RANDOM:
+            _ORIGINAL[name] = getattr(keras_random, name)
+        for module, name, replacement in targets:
+            setattr(module, name, replacement)
+        for name in _RANDOM:
+            setattr(keras_random, name, _drawing(name))

@@ -1,0 +1,108 @@
+"""How the processes of a local job find each other: for Horovod, a Gloo rendezvous server on
+loopback and each rank's variables; for multi-worker training, a `TF_CONFIG` per worker naming free
+loopback ports. Everything binds to 127.0.0.1 only.
+
+Example:
+
+```python
+with rendezvous.job_environment(2, "ring", port=None) as environments:
+    ...   # one dict of environment variables per process
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+
+__all__ = ["job_environment", "tf_config_environment", "python_path"]
+
+
+@contextlib.contextmanager
+def job_environment(n: int, mode: str, port: int | None) -> Iterator[list[dict[str, str]]]:
+    if port is not None and (not isinstance(port, int) or not 1 <= port <= 65536 - n):
+        raise ValueError(f"port must be a whole number from 1 to {65536 - n}; got {port!r}.")
+    if mode == "ring":
+        yield tf_config_environment(n, port)
+        return
+    with _horovod_environment(n, port) as envs:
+        yield envs
+
+
+def tf_config_environment(n: int, port: int | None = None) -> list[dict[str, str]]:
+    """A TF_CONFIG per worker, naming a loopback port for each (free ones unless given)."""
+    if port is None:
+        ports = _free_ports(n)
+    else:
+        ports = list(range(port, port + n))
+        for p in ports:
+            _check_free(p)
+    workers = [f"127.0.0.1:{p}" for p in ports]
+    return [
+        {
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+            )
+        }
+        for index in range(n)
+    ]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 right now (held open together, so all differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def _check_free(port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise OSError(
+                f"kmirror.launch: port {port} on 127.0.0.1 is in use by another program; pass "
+                "another port (--port), or none to let the launcher pick free ports."
+            ) from None
+
+
+@contextlib.contextmanager
+def _horovod_environment(n: int, port: int | None) -> Iterator[list[dict[str, str]]]:
+    """A Gloo rendezvous server on loopback (a free port unless given) and each rank's Horovod
+    variables."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    if port is not None:
+        _check_free(port)
+    server = RendezvousHTTPServer(("127.0.0.1", port or 0), RendezvousHandler, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        slots = get_host_assignments(parse_hosts(f"localhost:{n}"), n)
+        server.init(slots)
+        common = {
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.server_address[1]),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": "lo",
+        }
+        yield [{**common, **create_slot_env_vars(slot)} for slot in slots]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def python_path() -> dict[str, str]:
+    """Children import what this process can (the caller's modules, for `run`)."""
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys([os.getcwd(), *paths]))}
