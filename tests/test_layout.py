@@ -100,3 +100,18 @@ def test_long_modules_say_why_at_their_top():
         if lines > LIMIT and "longer than" not in docstring:
             unexplained.append(f"{name}: {lines} lines")
     assert unexplained == []
+
+
+def test_the_architecture_page_names_every_module():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    modules_section = page[
+        page.index("## Modules") : page.index("## ", page.index("## Modules") + 3)
+    ]
+    missing = [
+        name
+        for name in modules()
+        if name != "kmirror"
+        and f"`{name.rsplit('.', 1)[-1]}" not in modules_section
+        and name.rsplit(".", 1)[-1] not in page[: page.index("## Modules")]
+    ]
+    assert missing == [], "docs/architecture.md: say what these modules own"
