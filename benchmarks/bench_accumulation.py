@@ -14,7 +14,6 @@ benchmarks/results.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -60,11 +59,7 @@ def build(devices, samples: int, accumulation: int | None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=8192)
-    args = parser.parse_args()
+    args = common.options(__doc__, devices=2, rounds=5, samples=8192)
 
     import kmirror
 

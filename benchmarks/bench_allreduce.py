@@ -13,7 +13,6 @@ Writes `"allreduce_throughput"` to benchmarks/results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -112,12 +111,7 @@ def memory_copy_GBps(max_mib: int, repeats: int) -> float:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--max-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, devices=2, max_mib=64, repeats=20)
     if args.child:
         return horovod_child(args.max_mib, args.repeats, args.child)
 
@@ -130,7 +124,7 @@ def main():
             "replicas": args.devices,
             "rows": in_process(name, args.devices, args.max_mib, args.repeats),
         }
-    arguments = ["--max-mib", str(args.max_mib), "--repeats", str(args.repeats)]
+    arguments = common.command_line(max_mib=args.max_mib, repeats=args.repeats)
     rows = common.run_job(__file__, arguments, one_core=False)
     table["reducers"]["horovod"] = {"replicas": 2, "rows": rows}
     table["machine"] = common.machine()

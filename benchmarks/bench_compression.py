@@ -12,7 +12,6 @@ Writes `"compression"` to benchmarks/results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -60,17 +59,12 @@ def child(samples: int, rounds: int, epochs: int, out: str) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, rounds=5, samples=8192, epochs=20)
     if args.child:
         return child(args.samples, args.rounds, args.epochs, args.child)
 
-    arguments = ["--samples", str(args.samples), "--rounds", str(args.rounds)]
-    measured = common.run_job(__file__, [*arguments, "--epochs", str(args.epochs)])
+    arguments = common.command_line(samples=args.samples, rounds=args.rounds, epochs=args.epochs)
+    measured = common.run_job(__file__, arguments)
     seconds, losses = measured["seconds"], measured["losses"]
     results = {
         "processes": 2,

@@ -18,7 +18,6 @@ Writes `"fusion"` to benchmarks/results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -62,8 +61,8 @@ def horovod_step(num_packs: int, threshold: str | None, samples: int, rounds: in
     if threshold is not None:
         os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
     try:
-        arguments = ["--samples", str(samples), "--rounds", str(rounds)]
-        return common.run_job(__file__, [*arguments, "--num-packs", str(num_packs)])["step"]
+        arguments = common.command_line(samples=samples, rounds=rounds, num_packs=num_packs)
+        return common.run_job(__file__, arguments)["step"]
     finally:
         os.environ.pop("HOROVOD_FUSION_THRESHOLD", None)
 
@@ -77,13 +76,7 @@ def summarise(times: dict[str, float]) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--num-packs", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, devices=2, rounds=7, samples=8192, num_packs=1)
     if args.child:
         return horovod_child(args.samples, args.rounds, args.num_packs, args.child)
 

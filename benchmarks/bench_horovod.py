@@ -20,7 +20,6 @@ Writes `"wrapper_overhead": {"horovod": kmirror_time / handwritten_time}` to res
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -127,16 +126,12 @@ def child(samples: int, rounds: int, out: str) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, rounds=7, samples=8192)
     if args.child:
         return child(args.samples, args.rounds, args.child)
 
     medians = common.run_job(
-        __file__, ["--rounds", str(args.rounds), "--samples", str(args.samples)]
+        __file__, common.command_line(rounds=args.rounds, samples=args.samples)
     )
     common.record_overhead("horovod", medians, "handwritten", processes=2)
     common.update_results(

@@ -18,7 +18,6 @@ results.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -114,19 +113,14 @@ def child(mode: str, samples: int, rounds: int, out: str) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=4096)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="horovod", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, rounds=5, samples=4096, mode="horovod")
     if args.child:
         return child(args.mode, args.samples, args.rounds, args.child)
 
     ratios, details = {}, {}
     for mode in ("horovod", "ring"):
-        arguments = ["--rounds", str(args.rounds), "--samples", str(args.samples)]
-        medians = common.run_job(__file__, [*arguments, "--mode", mode], mode=mode)
+        arguments = common.command_line(rounds=args.rounds, samples=args.samples, mode=mode)
+        medians = common.run_job(__file__, arguments, mode=mode)
         ratios[mode] = round(medians["kmirror"] / medians["handwritten"], 4)
         details[mode] = {f"{side}_ms_per_step": round(1e3 * t, 3) for side, t in medians.items()}
         print(f"input_sharding {mode}: time x{ratios[mode]:.3f}  {details[mode]}")

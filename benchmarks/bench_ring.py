@@ -13,7 +13,6 @@ Writes `"wrapper_overhead": {"ring": kmirror_time / handwritten_time}` to result
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -54,15 +53,11 @@ def child(samples: int, rounds: int, out: str) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, rounds=7, samples=8192)
     if args.child:
         return child(args.samples, args.rounds, args.child)
 
-    arguments = ["--rounds", str(args.rounds), "--samples", str(args.samples)]
+    arguments = common.command_line(rounds=args.rounds, samples=args.samples)
     medians = common.run_job(__file__, arguments, mode="ring")
     common.record_overhead("ring", medians, "handwritten", workers=2)
 

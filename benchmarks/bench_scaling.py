@@ -16,7 +16,6 @@ Writes `"scaling"` to benchmarks/results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -40,19 +39,13 @@ def horovod_child(per_replica: int, rounds: int, samples: int, out: str) -> None
 
 
 def horovod_samples_per_second(n: int, per_replica: int, rounds: int, samples: int) -> float:
-    arguments = ["--rounds", str(rounds), "--per-replica", str(per_replica)]
-    step = common.run_job(__file__, [*arguments, "--samples", str(samples)], n=n)["step"]
+    arguments = common.command_line(rounds=rounds, per_replica=per_replica, samples=samples)
+    step = common.run_job(__file__, arguments, n=n)["step"]
     return per_replica * n / step
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--per-replica", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = common.options(__doc__, replicas=[1, 2, 4], per_replica=64, rounds=3, samples=8192)
     if args.child:
         return horovod_child(args.per_replica, args.rounds, args.samples, args.child)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -222,6 +223,31 @@ def update_results(section: str, values) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[section] = values
     RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+
+
+def options(doc: str, **defaults) -> argparse.Namespace:
+    """A benchmark's command line: `--name value` for each of `defaults` (a list default takes
+    several values), and the hidden `--child OUT` through which it starts its own processes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, list):
+            parser.add_argument(flag, type=type(default[0]), nargs="+", default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def command_line(**values) -> list[str]:
+    """`values` as the options of a benchmark's own processes (`--name value`, see `options`)."""
+    line = []
+    for name, value in values.items():
+        line += [
+            "--" + name.replace("_", "-"),
+            *map(str, value if isinstance(value, list) else [value]),
+        ]
+    return line
 
 
 def run_job(
