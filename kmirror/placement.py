@@ -44,7 +44,7 @@ def split(reducer: Reducer, data: Any, place: Any = None) -> Any:
     holds it whole); a tensor `[first row, global rows]`, this process's rows of the global batch;
     `COUNTED`, this process's rows of a global batch made of every process's rows (the replica
     finds its place with `located`); per-replica values, each replica's rows already on its
-    device (`kmirror.data.on_devices`).
+    device (`kmirror.feeding.on_devices`).
     """
     if place is None:
         total = batch_size(data)
