@@ -29,7 +29,6 @@ import tensorflow as tf
 from kmirror import (
     copying,
     errors,
-    inputs,
     keras_hooks,
     metric_states,
     own_step,
@@ -37,6 +36,7 @@ from kmirror import (
     replication,
     step,
 )
+from kmirror import inputs as inputs_lib
 from kmirror import logged as logged_lib
 from kmirror import resume as resume_lib
 from kmirror import rows as rows_lib
@@ -88,7 +88,7 @@ class MirroredModel(keras.Model):
         self._synchronized = False  # every process has the chief's weights for this fit
         self._seeded = False  # every process draws the same random numbers
         self._draw_in_python = False  # batches drawn in Python, a step per call (see fit)
-        self._reading = inputs.Inputs(
+        self._reading = inputs_lib.Inputs(
             reducer, prefetch, build=self._build_from_spec, built=lambda: self._replica.built
         )
         # The plain model `save` writes (see _plain_copy), held where Keras does not track it as
@@ -385,7 +385,7 @@ class MirroredModel(keras.Model):
             if not self._seeded:
                 self._reducer.agree_on_seed()
                 self._seeded = True
-            arguments = inputs.arguments_of(keras.Model.fit, self, args, kwargs, self.is_chief)
+            arguments = inputs_lib.arguments_of(keras.Model.fit, self, args, kwargs, self.is_chief)
             resume = resume_lib.agree(self._reducer, arguments)
             skipping = resume is not None and resume.step > 0
             arguments = self._reading.for_fit(arguments, resume)
@@ -414,7 +414,8 @@ class MirroredModel(keras.Model):
 
     def evaluate(self, *args, **kwargs):
         with self._reducer.failures():
-            arguments = inputs.arguments_of(keras.Model.evaluate, self, args, kwargs, self.is_chief)
+            method, chief = keras.Model.evaluate, self.is_chief
+            arguments = inputs_lib.arguments_of(method, self, args, kwargs, chief)
             return super().evaluate(**self._reading.for_evaluate(arguments))
 
     def batch_order_drawn_from(self) -> tuple | None:
