@@ -8,7 +8,8 @@ MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, and an earl
 MODE "backup": 5 epochs of 4 batches, numpy arrays in order, then a RowDataset shuffled (each
 process loads its rows; Python's random draws the order), with
 BackupAndRestore(OUT/backup<rank>, save_freq=2): each process has its own folder, as without a
-shared filesystem. With KMIRROR_TEST_CRASH=<rank> that rank kills itself after batch 2 of epoch 4
+shared filesystem; each first runs uninterrupted (whole-<scenario>, OUT/whole<rank>). With
+KMIRROR_TEST_CRASH=<rank> that rank kills itself after batch 2 of epoch 4
 (batches 0 and 1 are backed up) of each training, once (OUT/crashed-<scenario> marks it);
 a training finished at an earlier launch is not run again.
 Results go to OUT/<mode>-rank<r>.pkl (OUT/backup-<scenario>-rank<r>.pkl).
@@ -87,21 +88,26 @@ if mode == "callbacks":
     stopped = fit(make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)])
     results["early_stopped_epochs"] = len(stopped["loss"])
 elif mode == "backup":
-    for scenario in SCENARIOS:
+    # First each scenario uninterrupted (whole-<scenario>, its own backup folder), then each
+    # crashed and resumed.
+    for scenario in [f"whole-{s}" for s in SCENARIOS] + list(SCENARIOS):
         done = out / f"backup-{scenario}-rank{rank}.pkl"
         if done.exists():  # finished at an earlier launch
             continue
-        backup = kmirror.callbacks.BackupAndRestore(out / f"backup{rank}", save_freq=2)
+        whole = scenario.startswith("whole-")
+        folder = out / (f"whole{rank}" if whole else f"backup{rank}")
+        backup = kmirror.callbacks.BackupAndRestore(folder, save_freq=2)
         crashed = out / f"crashed-{scenario}"
         crash = os.environ.get("KMIRROR_TEST_CRASH") == str(rank) and not crashed.exists()
+        crash = crash and not whole
         model = make()
         keras.utils.set_random_seed(7)  # the processes agree on the shuffle seed drawn from it
         history = fit(
             model,
             5,
             [backup, *([CrashMidEpoch(crashed)] if crash else [])],
-            shuffle=scenario != "ordered",
-            rows=scenario == "rows",
+            shuffle=not scenario.endswith("ordered"),
+            rows=scenario.endswith("rows"),
         )
         with open(done, "wb") as f:
             pickle.dump(

@@ -4,8 +4,11 @@ backup when the latest is corrupt. Here in one process (2 simulated devices), th
 exception and the relaunch a new model, dataset and callback after seeding as a script would;
 killed processes under Horovod and across workers with their own folders: test_callbacks.py."""
 
+import functools
 import inspect
 import json
+import tempfile
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -86,6 +89,16 @@ def train(backup_dir, kind, callbacks=(), **backup):
     return model, counter.count, getattr(given["x"], "loaded", None)
 
 
+@functools.cache
+def uninterrupted(kind: str) -> list:
+    """The state after the uninterrupted run (backed up every 2 batches), trained once per kind
+    of input; its backup is removed at the normal end."""
+    with tempfile.TemporaryDirectory() as folder:
+        model, _, _ = train(Path(folder) / "whole", kind, save_freq=2)
+        assert not (Path(folder) / "whole").exists(), "the backup is removed after a normal end"
+        return state(model)
+
+
 def state(model):
     return [v.numpy() for v in model.weights + model.optimizer.variables]
 
@@ -113,8 +126,7 @@ def assert_same_state(expected, actual):
 def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
     kind, crash, backed_up, batches, tmp_path
 ):
-    whole, _, _ = train(tmp_path / "whole", kind, save_freq=2)
-    assert not (tmp_path / "whole").exists(), "the backup is removed after a normal end"
+    whole = uninterrupted(kind)
 
     with pytest.raises(Crash):
         train(tmp_path / "backup", kind, [CrashAt(*crash)], save_freq=2)
@@ -124,11 +136,11 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
     assert trained == batches, "the relaunch trains the batches not backed up, no more"
     if loaded is not None:  # and loads them, after the first two (their shapes)
         assert loaded == 2 + batches
-    assert_same_state(state(whole), state(resumed))
+    assert_same_state(whole, state(resumed))
 
 
 def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
-    whole, _, _ = train(tmp_path / "whole", "dataset", save_freq=2)
+    whole = uninterrupted("dataset")
     backup = tmp_path / "backup"
     with pytest.raises(Crash):
         train(backup, "dataset", [CrashAt(2, 2)], save_freq=2, double_checkpoint=True)
@@ -141,7 +153,7 @@ def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
     with pytest.warns(UserWarning, match="missing or corrupt; resuming from the previous"):
         resumed, trained, _ = train(backup, "dataset", save_freq=2, double_checkpoint=True)
     assert trained == 8, "resumed at epoch 2's start, the previous backup"
-    assert_same_state(state(whole), state(resumed))
+    assert_same_state(whole, state(resumed))
 
 
 def test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept(tmp_path):
@@ -160,12 +172,12 @@ def test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept(tmp_path):
 
 
 def test_epoch_backups_resume_at_the_next_epoch(tmp_path):
-    whole, _, _ = train(tmp_path / "whole", "dataset")
+    whole = uninterrupted("dataset")
     with pytest.raises(Crash):
         train(tmp_path / "backup", "dataset", [CrashAt(2, 1)])
     resumed, trained, _ = train(tmp_path / "backup", "dataset")
     assert trained == 8
-    assert_same_state(state(whole), state(resumed))
+    assert_same_state(whole, state(resumed))
 
 
 def test_input_that_cannot_skip_batches_restarts_the_epoch_and_says_so(tmp_path):

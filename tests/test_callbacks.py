@@ -161,11 +161,7 @@ def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tm
     holds); each relaunch resumes from the chief's backup of that epoch's first 2 batches (rank
     1's own folder is empty) and ends as the uninterrupted run. (Shuffled numpy arrays resume in
     one process, tests/test_backup.py.)"""
-    whole = tmp_path / "uninterrupted"
-    done = run_job("backup", whole, reducer)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not (whole / "backup0").exists(), "the backup is removed after a normal end"
-
+    # The first launch also runs each training uninterrupted, before the crashing ones.
     crashing = tmp_path / "crashing"
     crash = {"KMIRROR_TEST_CRASH": "1"}
     for scenario in ("ordered", "rows"):
@@ -176,12 +172,12 @@ def test_crash_and_relaunch_with_backup_ends_as_an_uninterrupted_run(reducer, tm
         assert not (crashing / "backup1").exists(), "only the chief writes"
     last = run_job("backup", crashing, reducer, env=crash)
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    assert not (crashing / "whole0").exists(), "the backup is removed after a normal end"
 
     for scenario in ("ordered", "rows"):
         mode = f"backup-{scenario}"
-        for expected, resumed in zip(
-            results(whole, mode, reducer), results(crashing, mode, reducer)
-        ):
+        whole = results(crashing, f"backup-whole-{scenario}", reducer)
+        for expected, resumed in zip(whole, results(crashing, mode, reducer), strict=True):
             assert len(resumed["history"]["loss"]) == 2, "the relaunch resumes in epoch 4 of 5"
             np.testing.assert_allclose(
                 resumed["history"]["loss"][-1], expected["history"]["loss"][-1], rtol=1e-6
