@@ -6,11 +6,19 @@ summed metric states, so no logit leaves its device; a step that gathered the pr
 copy every logit to one device each step.
 
 Time: both fit in one process on the same simulated devices, interleaved rounds, medians.
-Peak memory: each side trains in its own child process (same data, same steps) and reports its
-peak resident memory, which varies by tens of MiB from run to run; children of the two sides
-alternate, `--memory-runs` each, and the ratio is of the medians.
+Peak memory: each side trains in its own child process (same data, same steps); children of the
+two sides alternate, `--memory-runs` each, and each ratio is of the medians. Three figures:
 
-Writes `"large_output": {"time": r, "peak_memory": r, ...}` to benchmarks/results.json.
+- `peak_memory`: the peak of the memory TensorFlow's allocator held for tensors, as
+  `tf.config.experimental.get_memory_info` reports it (on GPUs, the device memory). The CPU
+  children use TensorFlow's own allocator for this (`TF_CPU_ALLOCATOR_USE_BFC=true`).
+- `peak_rss`: the same children's peak resident memory: tensors, graphs and Python together.
+- `peak_rss_malloc`: peak resident memory with the C library's malloc, TensorFlow's CPU default.
+  glibc keeps freed blocks in per-thread arenas, so this figure depends on which threads happen to
+  allocate and free the 16 MB logit buffers, and varies by tens of MiB between runs.
+
+Writes `"large_output": {"time": r, "peak_memory": r, "peak_rss": r, ...}` to
+benchmarks/results.json.
 
     python benchmarks/bench_large_output.py [--devices 2] [--rounds 5] [--batches 8]
         [--memory-runs 3]
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -73,6 +82,9 @@ def build(side: str, devices):
         return token_model()
 
 
+ALLOCATORS = {"tf": {"TF_CPU_ALLOCATOR_USE_BFC": "true"}, "malloc": {}}
+
+
 def child(side: str, devices: int, batches: int) -> None:
     """Trains one side for 3 epochs and prints its peak memory (MiB) as JSON."""
     import kmirror
@@ -81,12 +93,36 @@ def child(side: str, devices: int, batches: int) -> None:
     model = build(side, simulated)
     x, y = token_data(batches)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
-    common.print_peak_memory()
+    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true":
+        common.print_peak_memory(tensor_peak_mib=common.tensor_peak_mib(simulated))
+    else:
+        common.print_peak_memory()
 
 
-def peak_of(side: str, devices: int, batches: int) -> float:
+def measured(side: str, allocator: str, devices: int, batches: int) -> dict[str, float]:
     arguments = ["--child", side, "--devices", str(devices), "--batches", str(batches)]
-    return common.peak_memory_of(__file__, arguments, timeout=900)
+    return common.measured_in_child(__file__, arguments, timeout=900, env=ALLOCATORS[allocator])
+
+
+def peaks(devices: int, batches: int, runs: int) -> dict[str, dict[str, float]]:
+    """Median peaks (MiB) of each side: `tensors` and `rss` under TensorFlow's allocator,
+    `rss_malloc` under malloc; the sides' children alternate."""
+    runs_of = {(side, allocator): [] for allocator in ALLOCATORS for side in SIDES}
+    for _ in range(runs):
+        for side, allocator in runs_of:
+            runs_of[side, allocator].append(measured(side, allocator, devices, batches))
+
+    def median(side, allocator, key):
+        return statistics.median(run[key] for run in runs_of[side, allocator])
+
+    return {
+        side: {
+            "tensors": median(side, "tf", "tensor_peak_mib"),
+            "rss": median(side, "tf", "peak_mib"),
+            "rss_malloc": median(side, "malloc", "peak_mib"),
+        }
+        for side in SIDES
+    }
 
 
 def main():
@@ -100,10 +136,7 @@ def main():
     if args.child:
         return child(args.child, args.devices, args.batches)
 
-    peaks = common.interleaved(
-        {side: (lambda s=side: peak_of(s, args.devices, args.batches)) for side in SIDES},
-        rounds=args.memory_runs,
-    )
+    memory = peaks(args.devices, args.batches, args.memory_runs)
 
     import kmirror
 
@@ -118,11 +151,16 @@ def main():
     )
     result = {
         "time": round(medians["kmirror"] / medians["native"], 4),
-        "peak_memory": round(peaks["kmirror"] / peaks["native"], 4),
+        "peak_memory": ratio(memory, "tensors"),
+        "peak_rss": ratio(memory, "rss"),
+        "peak_rss_malloc": ratio(memory, "rss_malloc"),
         "kmirror_ms_per_step": round(1e3 * medians["kmirror"], 2),
         "native_ms_per_step": round(1e3 * medians["native"], 2),
-        "kmirror_peak_mib": round(peaks["kmirror"], 1),
-        "native_peak_mib": round(peaks["native"], 1),
+        **{
+            f"{side}_{kind}_peak_mib": round(memory[side][kind], 1)
+            for side in SIDES
+            for kind in ("tensors", "rss", "rss_malloc")
+        },
         "logits_per_batch": [BATCH, LENGTH, CLASSES],
         "replicas": args.devices,
         "machine": common.machine(),
@@ -130,6 +168,10 @@ def main():
     print(result)
     common.update_results("large_output", result)
     print(f"wrote {common.RESULTS}")
+
+
+def ratio(memory: dict, kind: str) -> float:
+    return round(memory["kmirror"][kind] / memory["native"][kind], 4)
 
 
 if __name__ == "__main__":

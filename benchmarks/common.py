@@ -178,14 +178,17 @@ def peak_memory_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def print_peak_memory() -> None:
-    """In a child process: prints its peak resident memory for `peak_memory_of`."""
-    print(json.dumps({"peak_mib": peak_memory_mib()}))
+def print_peak_memory(**measured: float) -> None:
+    """In a child process: prints its peak resident memory, and whatever else it `measured`, for
+    `peak_memory_of` and `measured_in_child`."""
+    print(json.dumps({"peak_mib": peak_memory_mib(), **measured}))
 
 
-def peak_memory_of(script: str, arguments: list[str], timeout: float) -> float:
-    """Runs `script` with `arguments` in a fresh process (it ends with `print_peak_memory`) and
-    returns that process's peak resident memory in MiB."""
+def measured_in_child(
+    script: str, arguments: list[str], timeout: float, env: dict | None = None
+) -> dict[str, float]:
+    """Runs `script` with `arguments` (and `env` added to the environment) in a fresh process,
+    which ends with `print_peak_memory`, and returns what it printed."""
     import subprocess
     import sys
 
@@ -195,8 +198,26 @@ def peak_memory_of(script: str, arguments: list[str], timeout: float) -> float:
         text=True,
         timeout=timeout,
         check=True,
+        env={**os.environ, **(env or {})},
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peak_memory_of(script: str, arguments: list[str], timeout: float) -> float:
+    """The peak resident memory (MiB) of a fresh process running `script` with `arguments`."""
+    return measured_in_child(script, arguments, timeout)["peak_mib"]
+
+
+def tensor_peak_mib(devices: list[str]) -> float:
+    """The peak of the memory TensorFlow's allocators held for tensors on `devices` (MiB): the
+    per-device figure `tf.config.experimental.get_memory_info` reports. Logical CPU devices share
+    one host allocator, so CPUs count once; each GPU has its own. On CPUs this needs TensorFlow's
+    own (BFC) allocator, `TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow starts."""
+    import tensorflow as tf
+
+    specs = [tf.DeviceSpec.from_string(d) for d in devices]
+    counted = {f"{s.device_type}:{s.device_index if s.device_type == 'GPU' else 0}" for s in specs}
+    return sum(tf.config.experimental.get_memory_info(d)["peak"] for d in counted) / 2**20
 
 
 def machine() -> dict:

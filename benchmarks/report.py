@@ -194,27 +194,30 @@ def accumulation(results: dict) -> str:
 def large_output(results: dict) -> str:
     r = results["large_output"]
     batch, length, classes = r["logits_per_batch"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(7, 3.2))
     sides = ["native MirroredStrategy", "kmirror"]
-    left.bar(sides, [r["native_ms_per_step"], r["kmirror_ms_per_step"]], color=["gray", "C0"])
-    left.set(ylabel="ms / step", title="time per step")
-    right.bar(sides, [r["native_peak_mib"], r["kmirror_peak_mib"]], color=["gray", "C0"])
-    right.set(ylabel="MiB", title="peak resident memory")
+    memory = [
+        ("tensors", "peak_memory", "peak tensor memory (TensorFlow's allocator)"),
+        ("rss", "peak_rss", "peak resident memory (TensorFlow's allocator)"),
+        ("rss_malloc", "peak_rss_malloc", "peak resident memory (malloc)"),
+    ]
+    fig, axes = plt.subplots(1, 1 + len(memory), figsize=(12, 3.2))
+    axes[0].bar(sides, [r["native_ms_per_step"], r["kmirror_ms_per_step"]], color=["gray", "C0"])
+    axes[0].set(ylabel="ms / step", title="time per step")
+    for ax, (kind, _, title) in zip(axes[1:], memory):
+        values = [r[f"native_{kind}_peak_mib"], r[f"kmirror_{kind}_peak_mib"]]
+        ax.bar(sides, values, color=["gray", "C0"])
+        ax.set(ylabel="MiB", title=title.replace(" (", "\n("))
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize="small")
     save(fig, "large_output.png")
+    rows = [["ms per step", r["native_ms_per_step"], r["kmirror_ms_per_step"], r["time"]]]
+    rows += [
+        [f"{title}, MiB", r[f"native_{kind}_peak_mib"], r[f"kmirror_{kind}_peak_mib"], r[ratio]]
+        for kind, ratio, title in memory
+    ]
     return (
         f"### Large output ({r['replicas']} replicas, logits {batch} x {length} x {classes})\n\n"
-        + table(
-            ["", "native MirroredStrategy", "kmirror", "kmirror / native"],
-            [
-                ["ms per step", r["native_ms_per_step"], r["kmirror_ms_per_step"], r["time"]],
-                [
-                    "peak MiB",
-                    r["native_peak_mib"],
-                    r["kmirror_peak_mib"],
-                    r["peak_memory"],
-                ],
-            ],
-        )
+        + table(["", "native MirroredStrategy", "kmirror", "kmirror / native"], rows)
         + "\n\n![large output](img/benchmarks/large_output.png)\n"
     )
 
