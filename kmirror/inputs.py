@@ -98,12 +98,11 @@ class Inputs:
         """Arrays replaced by datasets of this process's rows of each global batch when the job
         has several processes (`kmirror.feeding.arrays`), or datasets of the whole batches when
         they are to be prefetched to the replicas or resumed inside an epoch (`skipping`)."""
-        reducer = self._reducer
-        prefetched = self._prefetch and reducer.num_replicas > 1
-        if reducer.num_processes == 1 and not (prefetched or skipping):
+        prefetched = self._prefetch and self._reducer.num_replicas > 1
+        if self._reducer.job.num_processes == 1 and not (prefetched or skipping):
             return arguments
         given = dict(arguments)
-        where = {"index": reducer.process_index, "count": reducer.num_processes}
+        where = self._process()
         x, y, weights = (given.get(k) for k in ("x", "y", "sample_weight"))
         batch_size = given.get("batch_size")
         if feeding.is_arrays(x, y, weights):
@@ -143,7 +142,7 @@ class Inputs:
         """Each `PyDataset` of known length replaced by its batches as Keras draws them
         (`kmirror.py_datasets`); the first pass of `fit`'s skips `skip` batches."""
         given = dict(arguments)
-        where = {"index": self._reducer.process_index, "count": self._reducer.num_processes}
+        where = self._process()
         if fit:
             self.batches = None
         if py_datasets.readable(given.get("x"), given.get("steps_per_epoch" if fit else "steps")):
@@ -161,6 +160,11 @@ class Inputs:
         if fit and py_datasets.readable(validation, given.get("validation_steps")):
             given["validation_data"] = self._read(py_datasets.Batches(validation, **where))
         return given
+
+    def _process(self) -> dict[str, int]:
+        """This process among the job's: the `index` and `count` of the per-process readers."""
+        job = self._reducer.job
+        return {"index": job.process_index, "count": job.num_processes}
 
     def _read(self, batches: py_datasets.Batches):
         """What Keras takes for `batches` (with their count of steps), the model built first."""
@@ -190,7 +194,7 @@ class Inputs:
             # A dataset's count never changes: fit's evaluate of every epoch needs no new check.
             if count is None or data in self._counted:
                 continue
-            counts = self._reducer.gather_counts(count)
+            counts = self._reducer.job.gather_counts(count)
             if len(set(counts)) > 1:
                 raise ValueError(
                     f"kmirror.data.local_batches: the processes' datasets ({name}) yield "

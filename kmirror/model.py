@@ -12,7 +12,7 @@ job it is, and keeps the order in which they run:
 - what `fit` and `evaluate` read in this job: `kmirror.inputs`; where a relaunch resumes:
   `kmirror.resume`;
 - how processes behave together (the seed they agree on, a lost peer, a non-finite loss): the
-  reducer (`Reducer.agree_on_seed`, `Reducer.failures`) and `kmirror.errors`.
+  reducer's job (`Job.agree_on_seed`, `Job.failures`) and `kmirror.errors`.
 
 `kmirror.wrap` (`kmirror.wrapping`) makes one.
 """
@@ -132,7 +132,7 @@ class MirroredModel(keras.Model):
     @property
     def is_chief(self) -> bool:
         """True in the one process that writes checkpoints and summaries."""
-        return self._reducer.is_chief
+        return self._reducer.job.is_chief
 
     @property
     def samples_seen(self) -> int:
@@ -378,12 +378,12 @@ class MirroredModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         self._synchronized = False
-        with self._reducer.failures():
+        with self._reducer.job.failures():
             # Processes of one job must shuffle alike: each takes its rows of the same batch.
             # Seeded once: from then on they draw the same numbers. Seeding TensorFlow clears its
             # kernel caches, so seeding every fit would rebuild the step (seconds) every time.
             if not self._seeded:
-                self._reducer.agree_on_seed()
+                self._reducer.job.agree_on_seed()
                 self._seeded = True
             arguments = inputs_lib.arguments_of(keras.Model.fit, self, args, kwargs, self.is_chief)
             resume = resume_lib.agree(self._reducer, arguments)
@@ -413,7 +413,7 @@ class MirroredModel(keras.Model):
                     self.train_function = None  # the next fit traces Keras' loop again
 
     def evaluate(self, *args, **kwargs):
-        with self._reducer.failures():
+        with self._reducer.job.failures():
             method, chief = keras.Model.evaluate, self.is_chief
             arguments = inputs_lib.arguments_of(method, self, args, kwargs, chief)
             return super().evaluate(**self._reading.for_evaluate(arguments))
@@ -467,7 +467,7 @@ class MirroredModel(keras.Model):
         if not self._synchronized:
             # Every optimizer's state: a model with its own step may hold several.
             states = [v for o in own_step.optimizers(self._replica) for v in o.variables]
-            self._reducer.broadcast(self._replica.variables + states)
+            self._reducer.job.broadcast(self._replica.variables + states)
             self._synchronized = True
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -475,7 +475,7 @@ class MirroredModel(keras.Model):
             self._maybe_symbolic_build(data_batch=keras_hooks.first_batch(x, batch_size))
         if not self.is_chief and verbose == "auto":
             verbose = 0
-        with self._reducer.failures():
+        with self._reducer.job.failures():
             return super().predict(
                 x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
             )

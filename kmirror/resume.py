@@ -2,9 +2,9 @@
 
 The chief reads its newest intact backup of the `kmirror.callbacks.BackupAndRestore` among the
 callbacks (other processes' folders are not read: no shared filesystem is needed); every process
-learns its position through `Reducer.gather_counts`, and the state of Python's `random` module
-the resumed epoch draws its batch order from through `Reducer.broadcast`. The weights follow in
-the callback's `on_train_begin` (`MirroredModel.take_chief_state`).
+learns its position through the reducer's job (`Job.gather_counts`), and the state of Python's
+`random` module the resumed epoch draws its batch order from through `Job.broadcast`. The weights
+follow in the callback's `on_train_begin` (`MirroredModel.take_chief_state`).
 
 Example:
 
@@ -39,15 +39,15 @@ def agree(reducer: Reducer, arguments: dict) -> Position | None:
     if backup is None:
         return None
     found, error = None, None
-    if reducer.is_chief:
+    if reducer.job.is_chief:
         try:
             found = backup.latest()
         except ValueError as problem:
             error = problem
     # Other processes offer values below any the chief can, so the largest is the chief's.
     mine = (-3, 0) if error else (found.position if found else (-1, 0))
-    epoch = max(reducer.gather_counts(mine[0] if reducer.is_chief else -4))
-    step = max(reducer.gather_counts(mine[1] if reducer.is_chief else -1))
+    epoch = max(reducer.job.gather_counts(mine[0] if reducer.job.is_chief else -4))
+    step = max(reducer.job.gather_counts(mine[1] if reducer.job.is_chief else -1))
     if error is not None:
         raise error
     if epoch == -3:
@@ -88,10 +88,10 @@ def _take_chief_python_random(reducer: Reducer, words: list[int] | None) -> None
     """Every process takes the state of Python's `random` module the chief's backup holds (the
     chief's own state when it holds none): the resumed epoch draws its batch order from it, as
     the uninterrupted run did."""
-    if reducer.is_chief and words is None:
+    if reducer.job.is_chief and words is None:
         words = list(random.getstate()[1])
-    if reducer.num_processes > 1:
+    if reducer.job.num_processes > 1:
         shared = keras.Variable(words or [0] * _WORDS, dtype="int64", trainable=False)
-        reducer.broadcast([shared])
+        reducer.job.broadcast([shared])
         words = [int(w) for w in keras.ops.convert_to_numpy(shared)]
     random.setstate((3, tuple(words), None))

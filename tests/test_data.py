@@ -153,7 +153,7 @@ def test_predict_on_a_sharded_dataset_says_to_pass_the_inputs():
 
 def test_process_index_and_count_outside_a_job():
     assert kmirror.data.process() == (0, 1)
-    assert Reducer().num_processes == 1 and Reducer().process_index == 0
+    assert Reducer().job.num_processes == 1 and Reducer().job.process_index == 0
 
 
 def test_a_seeded_shuffle_gives_the_epochs_of_one_device():

@@ -16,7 +16,8 @@ LAYERS = [
     + ["keras_hooks.replica", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["rendezvous", "supervisor"],
     # The processes of a job, copies of Keras objects, metric states, compression.
-    ["cluster", "copying", "metric_states", "rows", "reducers.compression", "reducers.packing"],
+    ["cluster", "copying", "metric_states", "rows", "reducers.compression", "reducers.packing"]
+    + ["reducers.job", "reducers.former"],
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],
     # The steps and the input they take.

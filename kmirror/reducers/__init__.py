@@ -40,10 +40,12 @@ from kmirror.reducers.in_process import (
     Nccl,
     OneDevice,
 )
+from kmirror.reducers.job import Job
 
 __all__ = [
     "REDUCERS",
     "Reducer",
+    "Job",
     "InProcessReducer",
     "Nccl",
     "HierarchicalCopy",

@@ -4,7 +4,9 @@ The data-parallel step (`kmirror.step`) never knows which all-reduce runs. It as
 split a global batch into per-replica shards, to run a function on every local replica, to sum
 the replicas' gradients, and to sum or concatenate per-replica values for the logs. Reducers that
 build on a `tf.distribute` strategy (in-process and multi-worker) share the implementation here;
-Horovod overrides it with its own collectives.
+Horovod overrides it with its own collectives. What the processes do together around the steps
+(which is the chief, broadcasting the chief's weights, seeding alike, peer failures) is the
+reducer's job, `Reducer.job` (`kmirror.reducers.job`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import tensorflow as tf
 
 from kmirror import devices as devices_lib
 from kmirror import keras_hooks
+from kmirror.reducers.former import FormerMembers, honouring_overrides
+from kmirror.reducers.job import Job
 
 __all__ = ["Reducer", "check_num_packs"]
 
 
-class Reducer:
+class Reducer(FormerMembers):
     """Base class of kmirror's reducers: how gradients are summed across replicas.
 
     A reducer is chosen by name (`kmirror.wrap(model, reducer="hierarchical_copy")`) or passed as an
@@ -30,7 +34,8 @@ class Reducer:
     A reducer object is bound to one model's devices by `wrap`; use a fresh object per model.
 
     Subclasses that run on a `tf.distribute` strategy implement `make_strategy`; others (Horovod)
-    override the collective methods.
+    override the collective methods. A reducer that spans processes returns its `Job` from
+    `make_job`.
     """
 
     name: ClassVar[str] = ""
@@ -46,6 +51,8 @@ class Reducer:
         self.devices: list[str] = []
         #: How this reducer's collectives communicate (None: the strategy's own choice).
         self.communication: tf.distribute.experimental.CommunicationOptions | None = None
+        self._made_job: Job | None = None
+        self._job: Job | None = None
 
     # -- set-up --------------------------------------------------------------------------------
     def bind(self, devices: list[str] | None = None, num_gpus: int | None = None) -> None:
@@ -72,27 +79,28 @@ class Reducer:
         with self.strategy.scope(), keras_hooks.no_aggregation():
             yield
 
-    # -- who am I ------------------------------------------------------------------------------
+    def make_job(self) -> Job:
+        """The processes of this reducer's job (called once, after `bind`): a job of one process
+        unless overridden."""
+        return Job()
+
+    @property
+    def job(self) -> Job:
+        """Which process this is among the job's, and what they settle together around the
+        steps (`kmirror.reducers.Job`)."""
+        if self._job is None:
+            self._job = honouring_overrides(self, self._own_job())
+        return self._job
+
+    def _own_job(self) -> Job:
+        if self._made_job is None:
+            self._made_job = self.make_job()
+        return self._made_job
+
     @property
     def num_replicas(self) -> int:
         """Replicas in the whole job (all processes)."""
         return self.strategy.num_replicas_in_sync
-
-    @property
-    def is_chief(self) -> bool:
-        """True in exactly one process of the job: process 0, which writes checkpoints and
-        summaries (`kmirror.cluster.is_chief` follows the same rule)."""
-        return self.process_index == 0
-
-    @property
-    def num_processes(self) -> int:
-        """Processes in the job, each holding `len(devices)` replicas."""
-        return 1
-
-    @property
-    def process_index(self) -> int:
-        """This process's place among them: its replicas follow those of processes before it."""
-        return 0
 
     # -- collectives used by the step ----------------------------------------------------------
     def distribute(self, shard_fn: Callable[[int, int], Any]) -> Any:
@@ -185,22 +193,6 @@ class Reducer:
         return tf.nest.map_structure(
             lambda v: None if v is None else tf.concat(self.local_values(v), axis=0), per_replica
         )
-
-    def failures(self) -> contextlib.AbstractContextManager:
-        """A context that turns a lost peer's low-level error into `kmirror.errors.PeerLost`."""
-        return contextlib.nullcontext()
-
-    def broadcast(self, variables: list) -> None:
-        """Gives every process the chief's values of `variables` (no-op within one process)."""
-
-    def gather_counts(self, count: int) -> list[int]:
-        """Every process's `count`, in process order, read on the host (a check before training;
-        `[count]` within one process)."""
-        return [count]
-
-    def agree_on_seed(self) -> None:
-        """Seeds every process's random generators alike, so that they shuffle data alike
-        (no-op within one process)."""
 
     def describe(self) -> str:
         return f"{self.name} over {self.num_replicas} replica(s)"

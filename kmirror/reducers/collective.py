@@ -18,8 +18,9 @@ from kmirror import devices as devices_lib
 from kmirror.errors import PeerLost, reason
 from kmirror.reducers.base import Reducer
 from kmirror.reducers.in_process import require_gpus
+from kmirror.reducers.job import Job
 
-__all__ = ["Collective"]
+__all__ = ["Collective", "CollectiveJob"]
 
 IMPLEMENTATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
@@ -93,14 +94,6 @@ class Collective(Reducer):
                 "(num_gpus=N) or the same kmirror.devices.simulate(n)."
             )
 
-    @property
-    def num_processes(self) -> int:
-        return self.cluster.num_workers
-
-    @property
-    def process_index(self) -> int:
-        return self.cluster.index
-
     def concat(self, per_replica):
         def gather(values):
             return tf.nest.map_structure(
@@ -124,15 +117,46 @@ class Collective(Reducer):
     def sum(self, per_replica):
         return self.local_values(self.run(self.all_sum, args=(per_replica,)))[0]
 
+    def make_job(self) -> CollectiveJob:
+        return CollectiveJob(self.cluster, self.strategy, self.communication)
+
+    def describe(self) -> str:
+        return (
+            f"collective {self.name} over {self.num_replicas} replica(s) on "
+            f"{self.cluster.num_workers} worker(s)"
+        )
+
+
+class CollectiveJob(Job):
+    """The workers of a collective job: their index and count come from the cluster
+    (`kmirror.cluster`); the broadcast is a collective all-reduce, counts and seeds travel through
+    the cluster's exchange."""
+
+    def __init__(
+        self,
+        workers: cluster.Cluster,
+        strategy: tf.distribute.Strategy,
+        communication: tf.distribute.experimental.CommunicationOptions | None,
+    ) -> None:
+        self._cluster, self._strategy, self._communication = workers, strategy, communication
+
+    @property
+    def num_processes(self) -> int:
+        return self._cluster.num_workers
+
+    @property
+    def process_index(self) -> int:
+        return self._cluster.index
+
     def broadcast(self, variables: list) -> None:
         """Every worker takes worker 0's values (each may have built its model differently)."""
-        strategy = self.strategy
+        strategy = self._strategy
 
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
             values = [tf.cast(v.value, tf.float64) * mine for v in variables]
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=self.communication)
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=self._communication)
 
         key = tuple(id(v) for v in variables)
         if getattr(self, "_broadcast_key", None) != key:  # one trace per set of variables
@@ -144,14 +168,14 @@ class Collective(Reducer):
             variable.assign(tf.cast(first, variable.dtype))
 
     def gather_counts(self, count: int) -> list[int]:
-        return [int(c) for c in self.cluster.exchange("count", str(count))]
+        return [int(c) for c in self._cluster.exchange("count", str(count))]
 
     def agree_on_seed(self) -> None:
         import keras
 
         drawn = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
-        seeds = self.cluster.exchange("seed", str(drawn))
-        keras.utils.set_random_seed(int(seeds[self.cluster.chief_index]))
+        seeds = self._cluster.exchange("seed", str(drawn))
+        keras.utils.set_random_seed(int(seeds[self._cluster.chief_index]))
 
     @contextlib.contextmanager
     def failures(self):
@@ -166,14 +190,8 @@ class Collective(Reducer):
         ) as error:
             first = reason(error)
             raise PeerLost(
-                f"kmirror: worker {self.cluster.task_type}:{self.cluster.task_id} stops because "
+                f"kmirror: worker {self._cluster.task_type}:{self._cluster.task_id} stops because "
                 f"another worker of the job stopped or cannot be reached ({first}). Relaunch every "
                 "worker; with kmirror.callbacks.BackupAndRestore, training resumes from the last "
                 "epoch."
             ) from None
-
-    def describe(self) -> str:
-        return (
-            f"collective {self.name} over {self.num_replicas} replica(s) on "
-            f"{self.cluster.num_workers} worker(s)"
-        )

@@ -1,14 +1,15 @@
 """Compressors for gradients on the wire: cast before the all-reduce, cast back after.
 
 Each is a tiny strategy object with two static methods, as in Horovod, so any of them can be
-handed to Horovod's all-reduce as it is.
+handed to Horovod's all-reduce as it is. `bf16_sum` is how Horovod's gradients travel as bfloat16,
+for which Horovod has no all-reduce.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["NoCompression", "FP16", "BF16", "get"]
+__all__ = ["NoCompression", "FP16", "BF16", "get", "bf16_sum"]
 
 
 class NoCompression:
@@ -72,3 +73,22 @@ def get(compression):
         f"compression must be None, 'fp16', 'bf16' or an object with compress/decompress; "
         f"got {compression!r}."
     )
+
+
+def bf16_sum(hvd, tensors: list) -> list:
+    """Sums float tensors over Horovod's processes (`hvd`), sent as bfloat16.
+
+    Horovod's all-reduce has no bfloat16 kernel, so the bfloat16 bits travel in one fused
+    all-gather (as float16, the same 16 bits, never added) and every process adds the
+    gathered copies in float32. The bytes sent are half of float32's on 2 processes and grow
+    with the process count: beyond 2, compression="fp16" sends fewer.
+    """
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.bfloat16), [-1]) for t in tensors], axis=0)
+    gathered = hvd.allgather(tf.bitcast(flat, tf.float16))
+    copies = tf.reshape(tf.bitcast(gathered, tf.bfloat16), [hvd.size(), -1])
+    total = tf.reduce_sum(tf.cast(copies, tf.float32), axis=0)
+    sizes = [tf.size(t) for t in tensors]
+    return [
+        tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
+        for part, t in zip(tf.split(total, sizes), tensors)
+    ]

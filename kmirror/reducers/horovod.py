@@ -21,9 +21,10 @@ from kmirror import devices as devices_lib
 from kmirror.errors import PeerLost, reason
 from kmirror.reducers import compression as compression_lib
 from kmirror.reducers.base import Reducer, check_num_packs
+from kmirror.reducers.job import Job
 from kmirror.reducers.packing import packed_broadcast, packed_sum
 
-__all__ = ["Horovod"]
+__all__ = ["Horovod", "HorovodJob"]
 
 
 def _import_horovod():
@@ -116,14 +117,6 @@ class Horovod(Reducer):
     def rank(self) -> int:
         return self._hvd.rank()
 
-    @property
-    def num_processes(self) -> int:
-        return self._hvd.size()
-
-    @property
-    def process_index(self) -> int:
-        return self._hvd.rank()
-
     # -- collectives ---------------------------------------------------------------------------
     def distribute(self, shard_fn):
         size = self._hvd.size()
@@ -146,7 +139,9 @@ class Horovod(Reducer):
         dense = [i for i, g in enumerate(gradients) if isinstance(g, tf.Tensor)]
         reduced = list(gradients)
         if dense and self.compression is compression_lib.BF16:
-            for i, total in zip(dense, self._bf16_sum([gradients[i] for i in dense])):
+            for i, total in zip(
+                dense, compression_lib.bf16_sum(hvd, [gradients[i] for i in dense])
+            ):
                 reduced[i] = total
         elif dense:
             compressed = [self.compression.compress(gradients[i]) for i in dense]
@@ -163,24 +158,6 @@ class Horovod(Reducer):
                 # Summing sparse gradients is gathering every process's rows.
                 reduced[i] = hvd.allreduce(g, op=hvd.Sum)
         return reduced
-
-    def _bf16_sum(self, tensors: list) -> list:
-        """Sums float tensors sent as bfloat16.
-
-        Horovod's all-reduce has no bfloat16 kernel, so the bfloat16 bits travel in one fused
-        all-gather (as float16, the same 16 bits, never added) and every process adds the
-        gathered copies in float32. The bytes sent are half of float32's on 2 processes and grow
-        with the process count: beyond 2, compression="fp16" sends fewer.
-        """
-        flat = tf.concat([tf.reshape(tf.cast(t, tf.bfloat16), [-1]) for t in tensors], axis=0)
-        gathered = self._hvd.allgather(tf.bitcast(flat, tf.float16))
-        copies = tf.reshape(tf.bitcast(gathered, tf.bfloat16), [self._hvd.size(), -1])
-        total = tf.reduce_sum(tf.cast(copies, tf.float32), axis=0)
-        sizes = [tf.size(t) for t in tensors]
-        return [
-            tf.cast(tf.reshape(part, tf.shape(t)), t.dtype)
-            for part, t in zip(tf.split(total, sizes), tensors)
-        ]
 
     def all_sum(self, value):
         return self._hvd.allreduce(value, op=self._hvd.Sum)
@@ -202,6 +179,28 @@ class Horovod(Reducer):
             lambda v: None if v is None else self._hvd.allgather(self._local(v)), per_replica
         )
 
+    def make_job(self) -> HorovodJob:
+        return HorovodJob(self._hvd)
+
+    def describe(self) -> str:
+        return f"horovod rank {self.rank} of {self.num_replicas}"
+
+
+class HorovodJob(Job):
+    """The ranks of a Horovod job: rank and size from Horovod; the broadcast, counts and seed
+    travel through Horovod's collectives."""
+
+    def __init__(self, hvd) -> None:
+        self._hvd = hvd
+
+    @property
+    def num_processes(self) -> int:
+        return self._hvd.size()
+
+    @property
+    def process_index(self) -> int:
+        return self._hvd.rank()
+
     def broadcast(self, variables: list) -> None:
         # One broadcast per dtype of all variables concatenated, traced once per set of
         # variables: Horovod negotiates each tensor separately, which costs a deep model's
@@ -222,8 +221,9 @@ class Horovod(Reducer):
             if self._hvd.size() == 1 or "horovod" not in str(error).lower():
                 raise
             first = reason(error)
+            rank, size = self._hvd.rank(), self._hvd.size()
             raise PeerLost(
-                f"kmirror: rank {self.rank} of {self.num_replicas} stops because another rank of "
+                f"kmirror: rank {rank} of {size} stops because another rank of "
                 f"the Horovod job stopped or cannot be reached ({first}). Relaunch every process; "
                 "with kmirror.callbacks.BackupAndRestore, training resumes from the last epoch."
             ) from None
@@ -239,6 +239,3 @@ class Horovod(Reducer):
             drawn = tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64)
             seed = int(self._hvd.broadcast(drawn, root_rank=0, name="kmirror_seed"))
             keras.utils.set_random_seed(seed)
-
-    def describe(self) -> str:
-        return f"horovod rank {self.rank} of {self.num_replicas}"

@@ -1,0 +1,64 @@
+"""The processes of a training job: which one this is, and what they settle together around the
+steps.
+
+A reducer (`kmirror.reducers.Reducer`) lays out the replicas and sums inside each step. Its job
+(`Reducer.job`) is the rest of what the processes do together: which process this is and whether
+it is the chief, giving every process the chief's variables, exchanging a count, seeding their
+random generators alike, and turning a lost peer's low-level error into
+`kmirror.errors.PeerLost`. In one process all of it is trivial (`Job`); TensorFlow's collective
+reducers and Horovod bring their own (`kmirror.reducers.collective.CollectiveJob`,
+`kmirror.reducers.horovod.HorovodJob`).
+
+Example:
+
+```python
+job = model_reducer.job           # a bound reducer's job
+if job.is_chief:
+    print(f"process {job.process_index} of {job.num_processes}")
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["Job"]
+
+
+class Job:
+    """The processes of one training job; the base class is a job of one process.
+
+    Subclass it for a reducer that spans processes, and return it from the reducer's `make_job`.
+    """
+
+    @property
+    def num_processes(self) -> int:
+        """Processes in the job, each holding the same number of replicas."""
+        return 1
+
+    @property
+    def process_index(self) -> int:
+        """This process's place among them: its replicas follow those of processes before it."""
+        return 0
+
+    @property
+    def is_chief(self) -> bool:
+        """True in exactly one process of the job: process 0, which writes checkpoints and
+        summaries (`kmirror.cluster.is_chief` follows the same rule)."""
+        return self.process_index == 0
+
+    def broadcast(self, variables: list) -> None:
+        """Gives every process the chief's values of `variables` (no-op within one process)."""
+
+    def gather_counts(self, count: int) -> list[int]:
+        """Every process's `count`, in process order, read on the host (`[count]` within one
+        process)."""
+        return [count]
+
+    def agree_on_seed(self) -> None:
+        """Seeds every process's random generators alike, so that they shuffle data alike
+        (no-op within one process)."""
+
+    def failures(self) -> contextlib.AbstractContextManager:
+        """A context that turns a lost peer's low-level error into `kmirror.errors.PeerLost`."""
+        return contextlib.nullcontext()
