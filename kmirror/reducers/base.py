@@ -80,8 +80,8 @@ class Reducer(FormerMembers):
             yield
 
     def make_job(self) -> Job:
-        """The processes of this reducer's job (called once, after `bind`): a job of one process
-        unless overridden."""
+        """The processes of this reducer's job (called once, at the first use of `job`, after
+        `bind`): a job of one process unless overridden."""
         return Job()
 
     @property

@@ -12,9 +12,14 @@ reducers and Horovod bring their own (`kmirror.reducers.collective.CollectiveJob
 Example:
 
 ```python
-job = model_reducer.job           # a bound reducer's job
+import keras, kmirror
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="sgd", loss="mse")
+reducer = kmirror.reducers.HierarchicalCopy()
+wrapped = kmirror.wrap(model, reducer=reducer)
+job = reducer.job                 # the job of the reducer wrap bound
 if job.is_chief:
-    print(f"process {job.process_index} of {job.num_processes}")
+    print(f"process {job.process_index} of {job.num_processes}")   # process 0 of 1
 ```
 """
 
