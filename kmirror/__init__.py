@@ -5,16 +5,23 @@ import kmirror
 model = kmirror.wrap(model, reducer="auto")
 model.fit(x, y, batch_size=256, epochs=10)
 ```
+
+Its names are imported on first use: `import kmirror` alone does not start Keras and TensorFlow,
+so that the launcher (`python -m kmirror.launch`) starts its processes at once. The supported
+Keras and TensorFlow versions (`kmirror.versions`) are checked before kmirror first reaches into
+them.
 """
 
-from kmirror import versions
+from __future__ import annotations
 
-versions.check()  # before anything that reaches into Keras or TensorFlow
+import importlib
+from typing import TYPE_CHECKING
 
-from kmirror import callbacks, cluster, data, devices, errors, reducers  # noqa: E402
-from kmirror.model import MirroredModel  # noqa: E402
-from kmirror.reducers import REDUCERS  # noqa: E402
-from kmirror.wrapping import wrap  # noqa: E402
+if TYPE_CHECKING:  # what documentation and type checkers read; at run time, __getattr__
+    from kmirror import callbacks, cluster, data, devices, errors, launch, reducers, versions
+    from kmirror.model import MirroredModel
+    from kmirror.reducers import REDUCERS
+    from kmirror.wrapping import wrap
 
 __version__ = "0.1.0"
 """kmirror's version.
@@ -27,14 +34,23 @@ print(kmirror.__version__)
 ```
 """
 
+#: The names defined in kmirror's modules, by the module that defines them.
+_DEFINED_IN = {"wrap": "wrapping", "MirroredModel": "model", "REDUCERS": "reducers"}
+_MODULES = {"callbacks", "cluster", "data", "devices", "errors", "launch", "reducers", "versions"}
 
-def __getattr__(name):
-    # Imported on first use, so that `python -m kmirror.launch` runs a module not yet imported.
-    if name == "launch":
-        import importlib
 
-        return importlib.import_module("kmirror.launch")
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"kmirror.{name}")
+    if name in _DEFINED_IN:
+        value = getattr(importlib.import_module(f"kmirror.{_DEFINED_IN[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'kmirror' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

@@ -19,10 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective
-from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.eager import context
+
+from kmirror import versions
+
+versions.check()  # before the internals below
+
+from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective  # noqa: E402
+from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops  # noqa: E402
+from tensorflow.python.distribute import distribute_lib  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
 
 __all__ = [
     "GroupedAllReduce",

@@ -222,3 +222,26 @@ def test_supported_versions_pass_the_check(monkeypatch):
     kmirror.versions.check()
     monkeypatch.setattr(tf, "__version__", "2.25.0rc1")  # newer TensorFlow releases
     kmirror.versions.check()
+
+
+def test_the_versions_are_checked_at_first_use_and_importing_kmirror_starts_no_tensorflow():
+    """`import kmirror` and the launcher start neither Keras nor TensorFlow (the launcher starts
+    its processes at once); kmirror's first use that needs them checks their versions."""
+    script = (
+        "import sys\n"
+        "import kmirror, kmirror.launch\n"
+        "print(sorted({'keras', 'tensorflow'} & set(sys.modules)))\n"
+        "import keras\n"
+        "keras.__version__ = '3.11.0'\n"
+        "try:\n"
+        "    kmirror.wrap\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported, message = done.stdout.splitlines()
+    assert imported == "[]"
+    assert "keras 3.11.0" in message and "keras>=3.12,<4" in message, message

@@ -40,7 +40,6 @@ import numpy as np
 import kmirror
 from models import NAN_BATCH as BATCH
 from models import dense_model, nan_data
-from models import NAN_BATCH as BATCH, nan_data
 x, y = nan_data()
 model = kmirror.wrap(dense_model("sgd"), reducer={reducer!r})
 try:

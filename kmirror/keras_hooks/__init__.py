@@ -24,7 +24,11 @@ override. Checked on Keras
 (`make test-compat`).
 """
 
-from kmirror.keras_hooks.model_state import (
+from kmirror import versions
+
+versions.check()  # before the internals this package touches
+
+from kmirror.keras_hooks.model_state import (  # noqa: E402
     accumulation,
     calls_with_training,
     compile_arguments,
@@ -46,7 +50,7 @@ from kmirror.keras_hooks.model_state import (
     symbolic_build,
     with_masks,
 )
-from kmirror.keras_hooks.reading import (
+from kmirror.keras_hooks.reading import (  # noqa: E402
     batch_order,
     batches_spec,
     class_weighted,
@@ -56,7 +60,13 @@ from kmirror.keras_hooks.reading import (
     py_dataset_batches,
     validation_split,
 )
-from kmirror.keras_hooks.replica import Rows, compute_loss, current, install, replica
+from kmirror.keras_hooks.replica import (  # noqa: E402
+    Rows,
+    compute_loss,
+    current,
+    install,
+    replica,
+)
 
 __all__ = [
     "Rows",
