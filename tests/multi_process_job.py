@@ -71,7 +71,9 @@ def main(out):
         "num_replicas": model.num_replicas,
         "reducer": model.reducer,
     }
-    if os.environ.get("KMIRROR_TEST_CORE"):  # another launcher of the same ranks
+    if os.environ.get("KMIRROR_TEST_CORE"):  # the first scenarios only (and the features)
+        if os.environ.get("KMIRROR_TEST_FEATURES"):
+            run_features(results)
         return save(out, rank, results)
 
     # A model's own test_step and predict_step.

@@ -52,8 +52,10 @@ def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
 
 @functools.cache
 def job(devices_per_worker: int, folder: str) -> list[dict]:
-    # The feature matrix runs with one device per worker (2 replicas, one per process).
-    features = {"KMIRROR_TEST_FEATURES": "1"} if devices_per_worker == 1 else {}
+    # With one device per worker (2 replicas, one per process): the feature matrix and the first
+    # scenarios; with two (4 replicas): every scenario.
+    features = {"KMIRROR_TEST_FEATURES": "1", "KMIRROR_TEST_CORE": "1"}
+    features = features if devices_per_worker == 1 else {}
     done = subprocess.run(
         launch([str(HERE / "multi_process_job.py"), folder, "ring", str(devices_per_worker)]),
         capture_output=True,
@@ -67,8 +69,15 @@ def job(devices_per_worker: int, folder: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-device-per-worker", "2-devices-per-worker"])
-def workers(request, tmp_path_factory):
+def layouts(request, tmp_path_factory):
+    """Both jobs, for what both run: the first fit and evaluation before any fit."""
     return request.param, launched(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """The job with 2 devices per worker, which runs every scenario."""
+    return 2, launched(2, tmp_path_factory)
 
 
 def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
@@ -83,10 +92,17 @@ def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, nam
     assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
 
 
-@pytest.mark.parametrize("scenario", ["numpy", "tf.data", "xla", "multi_io"])
-def test_two_workers_equal_single_device(workers, scenario):
+def test_two_workers_equal_single_device(layouts):
     """Different initial weights per worker, SGD with momentum, an uneven final batch (3*33+2)."""
-    _, ranks = workers
+    assert_scenario_equals_single_device(layouts[1], "numpy")
+
+
+@pytest.mark.parametrize("scenario", ["tf.data", "xla", "multi_io"])
+def test_two_workers_equal_single_device_with_other_input_and_models(workers, scenario):
+    assert_scenario_equals_single_device(workers[1], scenario)
+
+
+def assert_scenario_equals_single_device(ranks, scenario):
     model, history = reference(scenario)
     assert_equal_across_ranks(ranks, scenario)
     for rank in ranks:
@@ -106,8 +122,8 @@ def test_each_worker_loads_only_its_rows(workers):
     assert_each_process_loads_only_its_rows(workers[1])
 
 
-def test_chief_replicas_and_global_evaluate_and_predict(workers):
-    devices, ranks = workers
+def test_chief_replicas_and_global_evaluate_and_predict(layouts):
+    devices, ranks = layouts
     assert [r["numpy"]["is_chief"] for r in ranks] == [True, False]
     assert [r["numpy"]["num_replicas"] for r in ranks] == [2 * devices] * 2
     assert [r["numpy"]["reducer"] for r in ranks] == ["ring", "ring"]
@@ -121,8 +137,8 @@ def test_chief_replicas_and_global_evaluate_and_predict(workers):
         np.testing.assert_allclose(rank["numpy"]["predict"], expected_predict, atol=1e-5)
 
 
-def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(workers):
-    assert_chief_weights_before_any_fit(workers[1])
+def test_evaluate_and_predict_before_any_fit_use_the_chief_weights(layouts):
+    assert_chief_weights_before_any_fit(layouts[1])
 
 
 def test_own_test_step_and_predict_step_equal_single_device(workers):
