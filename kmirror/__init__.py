@@ -15,6 +15,7 @@ them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what documentation and type checkers read; at run time, __getattr__
@@ -36,16 +37,15 @@ print(kmirror.__version__)
 
 #: The names defined in kmirror's modules, by the module that defines them.
 _DEFINED_IN = {"wrap": "wrapping", "MirroredModel": "model", "REDUCERS": "reducers"}
-_MODULES = {"callbacks", "cluster", "data", "devices", "errors", "launch", "reducers", "versions"}
 
 
 def __getattr__(name: str):
-    if name in _MODULES:
-        return importlib.import_module(f"kmirror.{name}")
     if name in _DEFINED_IN:
         value = getattr(importlib.import_module(f"kmirror.{_DEFINED_IN[name]}"), name)
         globals()[name] = value
         return value
+    if not name.startswith("_") and importlib.util.find_spec(f"kmirror.{name}") is not None:
+        return importlib.import_module(f"kmirror.{name}")  # a module: kmirror.devices, ...
     raise AttributeError(f"module 'kmirror' has no attribute {name!r}")
 
 

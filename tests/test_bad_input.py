@@ -229,7 +229,9 @@ def test_the_versions_are_checked_at_first_use_and_importing_kmirror_starts_no_t
     its processes at once); kmirror's first use that needs them checks their versions."""
     script = (
         "import sys\n"
-        "import kmirror, kmirror.launch\n"
+        "import kmirror\n"
+        "print(kmirror.rendezvous.__name__)\n"  # its modules are imported on first use
+        "import kmirror.launch\n"
         "print(sorted({'keras', 'tensorflow'} & set(sys.modules)))\n"
         "import keras\n"
         "keras.__version__ = '3.11.0'\n"
@@ -242,6 +244,7 @@ def test_the_versions_are_checked_at_first_use_and_importing_kmirror_starts_no_t
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    imported, message = done.stdout.splitlines()
+    module, imported, message = done.stdout.splitlines()
+    assert module == "kmirror.rendezvous"
     assert imported == "[]"
     assert "keras 3.11.0" in message and "keras>=3.12,<4" in message, message
