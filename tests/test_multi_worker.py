@@ -54,15 +54,15 @@ def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
 def job(devices_per_worker: int, folder: str) -> list[dict]:
     # With one device per worker (2 replicas, one per process): the feature matrix and the first
     # scenarios; with two (4 replicas): every scenario.
-    features = {"KMIRROR_TEST_FEATURES": "1", "KMIRROR_TEST_CORE": "1"}
-    features = features if devices_per_worker == 1 else {}
+    first_and_features = {"KMIRROR_TEST_FEATURES": "1", "KMIRROR_TEST_CORE": "1"}
+    scenarios = first_and_features if devices_per_worker == 1 else {}
     done = subprocess.run(
         launch([str(HERE / "multi_process_job.py"), folder, "ring", str(devices_per_worker)]),
         capture_output=True,
         text=True,
         timeout=TIMEOUT + 30,
         cwd=HERE.parent,
-        env={**os.environ, **features},
+        env={**os.environ, **scenarios},
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(2)]
