@@ -35,8 +35,8 @@ class PeerLost(RuntimeError):
 class NonFiniteLoss(FloatingPointError):
     """The training loss of a global batch became NaN or infinite; every process stopped there.
 
-    Every process sees the same global loss, so all stop at the same step. The model given to
-    `kmirror.wrap` is unchanged; the wrapped model's weights hold the non-finite update.
+    Every process sees the same global loss, so all stop at the same step, before it updates any
+    variable: the model holds the weights and optimizer state of the last finite step.
     """
 
 
@@ -48,14 +48,14 @@ class NonFiniteWatch(keras.callbacks.Callback):
         self.epoch, self.first_step = epoch, _steps(self.model)
 
     def describe_non_finite(self) -> str:
-        batch = _steps(self.model) - self.first_step  # the failed step's update was applied
+        batch = _steps(self.model) - self.first_step + 1  # the failed step updated nothing
         return (
             f"kmirror: the training loss became NaN or infinite at epoch {self.epoch + 1}, batch "
             f"{batch}; every process stopped at this step. Look for NaN or infinite values in the "
             "data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients (e.g. "
             "optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the last "
-            "checkpoint. The model passed to kmirror.wrap is unchanged; this wrapped model's "
-            "weights hold the non-finite update."
+            "checkpoint. The model holds the weights of the last step before this one (this "
+            "step updated nothing)."
         )
 
 

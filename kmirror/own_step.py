@@ -24,6 +24,7 @@ What a step must do for this to hold is in docs/concepts.md ("A model's own trai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 from collections.abc import Callable
@@ -32,13 +33,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks, metric_states, placement
+from kmirror import keras_hooks, metric_states, mirroring, placement
 from kmirror.reducers.base import Reducer
 
 __all__ = [
     "overridden",
-    "prepare",
-    "optimizers",
     "build_optimizers",
     "train",
     "evaluate",
@@ -53,26 +52,27 @@ def overridden(model: keras.Model) -> set[str]:
     return {name for name in _STEPS if getattr(type(model), name) is not getattr(keras.Model, name)}
 
 
-def prepare(model: keras.Model) -> None:
-    """Readies a replica's optimizers and metrics for the model's own step (after each compile).
+@contextlib.contextmanager
+def _hooked(model: keras.Model):
+    """While the model's own step runs on the replicas: its optimizers' `apply` and its metrics'
+    `update_state` are replaced, on the objects, by methods that reduce or globalise inside a
+    replica (and do what the class does elsewhere); the objects are as they were afterwards."""
+    replaced = [(o, "apply", _reducing_apply) for o in mirroring.optimizers(model)]
+    replaced += [(m, "update_state", _globalising_update) for m in model.metrics]
+    before = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in replaced]
+    for obj, name, method in replaced:
+        setattr(obj, name, types.MethodType(method, obj))
+    try:
+        yield
+    finally:
+        for obj, name, value in before:
+            if value is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
-    Their `apply` and `update_state` are replaced on the objects themselves by methods that do
-    what the class does outside a replica (so copies of the model, such as `unwrap()`'s, behave
-    as plain Keras objects)."""
-    for optimizer in optimizers(model):
-        keras_hooks.local_optimizer(optimizer)
-        optimizer.apply = types.MethodType(_reducing_apply, optimizer)
-    for metric in model.metrics:
-        metric.update_state = types.MethodType(_globalising_update, metric)
 
-
-def optimizers(model: keras.Model) -> list:
-    """The model's optimizers: its compiled one and those it holds as attributes."""
-    found = [model.optimizer] if model.optimizer is not None else []
-    for value in vars(model).values():
-        if isinstance(value, keras.optimizers.Optimizer) and value not in found:
-            found.append(value)
-    return found
+_ABSENT = object()
 
 
 def _reducing_apply(optimizer, grads, trainable_variables=None):
@@ -116,7 +116,7 @@ def build_optimizers(model: keras.Model, reducer: Reducer, data) -> None:
     mirrored variables, so the step is traced once beforehand, before `fit` traces it, and never
     run: each optimizer builds during that trace, at its first `apply_gradients`.
     """
-    if all(optimizer.built for optimizer in optimizers(model)):
+    if all(optimizer.built for optimizer in mirroring.optimizers(model)):
         return
     probe = tf.function(lambda batch: _run(model.train_step, model, reducer, batch, True))
     probe.get_concrete_function(data)
@@ -211,7 +211,8 @@ def _run(
         with keras_hooks.replica(rows):
             return method(rows_data)
 
-    return reducer.run(local, args=(shards,))
+    with _hooked(model):
+        return reducer.run(local, args=(shards,))
 
 
 def _first(reducer: Reducer, per_replica) -> Any:

@@ -13,11 +13,12 @@ applies the sum with its own copy of the optimizer, as one device would: clippin
 accumulation, EMA and loss scaling see the global gradient. With gradient accumulation the sum is
 taken once per update, from the accumulated local gradients.
 
-The step returns the global loss and what the model's logs need: for Keras' built-in metrics, the
-sum over replicas of what each replica's rows add to their states (`kmirror.metric_states`); for
-other metrics and per-output losses, the predictions of the whole batch, gathered in row order
-(`kmirror.logged`). The model updates its Keras metrics once per global batch, exactly as on one
-device.
+A step whose global loss is not finite stops before any variable is updated, in every process
+(they all see the same loss). The step returns the global loss and what the model's logs need:
+for Keras' built-in metrics, the sum over replicas of what each replica's rows add to their
+states (`kmirror.metric_states`); for other metrics and per-output losses, the predictions of
+the whole batch, gathered in row order (`kmirror.logged`). The model updates its Keras metrics
+once per global batch, exactly as on one device.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks
+from kmirror import errors, keras_hooks
 from kmirror.logged import Logged, Outcome
 from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
@@ -112,9 +113,17 @@ def train(
         return logged.local(loss, y, outputs, sample_weight, total), grads
 
     local, grads = reducer.run(local_step, args=(shards,))
+    outcome = logged.combine(reducer, local)
+    # The global loss is the same in every process: all stop at the same step, before updating.
+    finite = tf.debugging.check_numerics(outcome.loss, errors.NON_FINITE)
     grads = _reduce(reducer, optimizer, grads, variables)
-    reducer.run(lambda grads: optimizer.apply(grads, variables), args=(grads,))
-    return logged.combine(reducer, local)
+
+    def apply(grads):
+        with tf.control_dependencies([finite]):
+            optimizer.apply(grads, variables)
+
+    reducer.run(apply, args=(grads,))
+    return outcome._replace(loss=finite)
 
 
 def _reduce(reducer: Reducer, optimizer, grads: list, variables: list) -> list:

@@ -1,6 +1,6 @@
 """Where kmirror reaches into TensorFlow: the only module that touches `tensorflow.python`.
 
-TensorFlow has no public API for three things kmirror needs:
+TensorFlow has no public API for these things kmirror needs:
 
 - a batch all-reduce with its own summing rule on top of TensorFlow's packing of gradients
   (`GroupedAllReduce`: the hierarchical copy that covers every device, also for odd counts);
@@ -9,7 +9,9 @@ TensorFlow has no public API for three things kmirror needs:
 - the coordination service's key-value store (`publish`, `read_published`), for exchanging
   small values between workers without collectives;
 - whether TensorFlow has started, and whether its collective ops are configured
-  (`started`, `collectives_configured`), to refuse a late `kmirror.cluster.connect()` clearly.
+  (`started`, `collectives_configured`), to refuse a late `kmirror.cluster.connect()` clearly;
+- which strategy a variable was created under (`strategy_of`): whether a model's variable is
+  mirrored already, and by which wrapped model.
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
@@ -36,6 +38,7 @@ __all__ = [
     "read_published",
     "started",
     "collectives_configured",
+    "strategy_of",
 ]
 
 
@@ -77,6 +80,11 @@ def started() -> bool:
 def collectives_configured() -> bool:
     """True when this process's collective ops are configured (a multi-worker strategy exists)."""
     return context.context()._collective_leader is not None
+
+
+def strategy_of(variable: tf.Variable) -> tf.distribute.Strategy | None:
+    """The `tf.distribute` strategy in whose scope `variable` was created (None: none)."""
+    return getattr(variable, "_distribute_strategy", None)
 
 
 class _Extended(tf_collective.CollectiveAllReduceExtended):

@@ -1,7 +1,9 @@
-"""`kmirror.wrap`: a user's Keras model, checked and replicated with the reducer asked for.
+"""`kmirror.wrap`: a user's Keras model, checked and mirrored in place with the reducer asked for.
 
 It validates what it is given (a model, devices, a cluster, the reducer and its options), picks
-and binds the reducer (`kmirror.reducers`), and returns the `MirroredModel` that trains it.
+and binds the reducer (`kmirror.reducers`), and returns the `MirroredModel` that trains the model
+(whose variables it mirrors where they are: `kmirror.mirroring`). Bad input is refused before
+the model is touched.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import cluster, reducers
+from kmirror import cluster, mirroring, reducers
 from kmirror.model import MirroredModel
 from kmirror.reducers.base import Reducer
 
@@ -33,10 +35,12 @@ def wrap(
 ) -> MirroredModel:
     """Wraps a Keras model for synchronous data-parallel training on every local device.
 
-    The returned `MirroredModel` trains exactly as the original model would on one device with
-    the same global batch (`batch_size` in `fit` is the global batch), only split across replicas.
-    Weights, compile settings and optimizer state carry over, so training continues where it was.
-    The model passed in is left unchanged.
+    The returned `MirroredModel` trains exactly as the model would on one device with the same
+    global batch (`batch_size` in `fit` is the global batch), only split across replicas. The
+    model's variables are mirrored where they are, one copy per replica: its layers, optimizer
+    and metrics are the objects that train, so every reference you hold to them stays valid, and
+    weights, compile settings and optimizer state carry over. `unwrap()` gives the model back,
+    single-device again.
 
     Example:
 
@@ -86,6 +90,11 @@ def wrap(
         raise TypeError(
             f"kmirror.wrap expects a keras.Model; got {type(model).__name__}. Build a Keras model "
             "(keras.Sequential, the functional API, or a keras.Model subclass) and pass that."
+        )
+    if mirroring.is_wrapped(model):
+        raise ValueError(
+            "this model is already wrapped by kmirror: use the model kmirror.wrap returned, or "
+            "call its unwrap() first to wrap the model with other settings."
         )
     workers = cluster.describe(cluster_spec, task_type, task_id)
     if workers is not None:

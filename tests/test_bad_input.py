@@ -1,5 +1,6 @@
 """Bad input gets an error of the right type that names the fix, and leaves the user's model as it
-was and usable."""
+was and usable: a wrap that fails does not touch it, and an error in training leaves it as the
+last step before the error left it."""
 
 import subprocess
 import sys
@@ -7,8 +8,9 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import cpus
-from models import BATCH, dense_data, dense_model
+from models import BATCH, dense_data, dense_model, max_weight_difference
 
 import kmirror
 
@@ -23,8 +25,11 @@ def model():
     return original
 
 
-def assert_untouched(model):
-    """The model is as it was before the error, and still trains."""
+def assert_untouched(model, wrapped=None):
+    """The model is as it was before the error (given back by `wrapped` first, when a wrap
+    succeeded), a plain Keras model again, and still trains."""
+    if wrapped is not None:
+        assert wrapped.unwrap() is model
     for w, b in zip(model.get_weights(), _BEFORE.pop(id(model)), strict=True):
         np.testing.assert_array_equal(w, b)
     assert int(model.optimizer.iterations) == 0
@@ -109,7 +114,26 @@ def test_wrapping_twice(model):
     wrapped = kmirror.wrap(model, devices=cpus(2))
     with pytest.raises(ValueError, match="already a kmirror.MirroredModel.*unwrap"):
         kmirror.wrap(wrapped, devices=cpus(2))
-    assert_untouched(model)
+    with pytest.raises(ValueError, match="already wrapped by kmirror.*unwrap"):
+        kmirror.wrap(model, "one_device", devices=cpus(3))
+    assert wrapped.num_replicas == 2, "the first wrap is as it was"
+    assert_untouched(model, wrapped)
+    with pytest.raises(ValueError, match="was unwrapped.*kmirror.wrap"):
+        wrapped.fit(*dense_data(), verbose=0)
+
+
+def test_a_model_built_in_a_strategy_scope_is_refused_untouched():
+    strategy = tf.distribute.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = dense_model()
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="already distributed.*outside any strategy scope"):
+        kmirror.wrap(model, devices=cpus(2))
+    assert all(type(v.value).__name__ == "MirroredVariable" for v in model.weights), (
+        "the storage the model was built with"
+    )
+    for w, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(w, b)
 
 
 def test_fit_before_compile_says_compile():
@@ -129,14 +153,20 @@ def test_simulate_after_tensorflow_started_says_to_call_it_first():
         kmirror.devices.simulate(0)
 
 
-def test_a_non_finite_loss_stops_training_and_says_what_to_look_for(model):
+def test_a_non_finite_loss_stops_training_before_its_update_and_says_what_to_look_for(model):
     x, y = dense_data()
     x[40, 0] = np.inf  # batch 2 of 33 rows
     wrapped = kmirror.wrap(model, devices=cpus(2))
     with pytest.raises(kmirror.errors.NonFiniteLoss, match="at epoch 1, batch 2") as error:
         wrapped.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     assert "np.isfinite(x).all()" in str(error.value) and "clipnorm" in str(error.value)
-    assert_untouched(model)
+    # The model holds what the first batch's step made of it, on one device as on two.
+    plain = wrapped.unwrap()
+    reference = dense_model()
+    reference.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, plain) < 1e-6
+    assert int(plain.optimizer.iterations) == 1
+    _BEFORE.pop(id(model))
 
 
 @pytest.mark.parametrize("callback", ["ChiefCheckpoint", "BackupAndRestore"])
@@ -156,7 +186,7 @@ def test_files_into_a_folder_that_cannot_be_written_fail_before_training(model, 
     assert int(wrapped.optimizer.iterations.numpy()) == 0, "no step ran"
     assert blocked.read_text() == "a file, not a folder"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked"], "nothing was created"
-    assert_untouched(model)
+    assert_untouched(model, wrapped)
 
 
 LAUNCHER_MISTAKES = [

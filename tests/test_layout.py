@@ -14,17 +14,18 @@ LAYERS = [
     # What kmirror knows of the machine, Keras and TensorFlow.
     ["versions", "errors", "files", "devices", "tf_hooks", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.model_state", "keras_hooks.reading"]
+    + ["keras_hooks.optimizers", "keras_hooks.storage"]
     + ["rendezvous", "supervisor"],
-    # The processes of a job, copies of Keras objects, metric states, compression.
-    ["cluster", "copying", "metric_states", "rows", "reducers.compression", "reducers.packing"]
+    # The processes of a job, metric states, compression.
+    ["cluster", "metric_states", "rows", "reducers.compression", "reducers.packing"]
     + ["reducers.job", "reducers.former"],
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],
-    # The steps and the input they take.
-    ["data", "py_datasets", "feeding", "placement", "logged", "step", "own_step"],
-    # Around the steps: callbacks, the replicas' copies, what fit reads, where a relaunch resumes.
+    # The model's state on the replicas, the steps and the input they take.
+    ["mirroring", "data", "py_datasets", "feeding", "placement", "logged", "step", "own_step"],
+    # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["callbacks", "callbacks.backup", "callbacks.checkpoint", "callbacks.tensorboard"]
-    + ["replication", "inputs", "resume"],
+    + ["inputs", "resume", "fitting", "chief_state"],
     # The model.
     ["model"],
     # What users call.

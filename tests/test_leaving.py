@@ -1,4 +1,5 @@
-"""Leaving kmirror: unwrap() gives a plain model, save() a plain .keras file, with all state."""
+"""Leaving kmirror: unwrap() gives the user's model back single-device, save() writes what it
+writes, with all state."""
 
 import subprocess
 import sys
@@ -6,9 +7,11 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 from conftest import cpus
 from models import (
     BATCH,
+    assert_same_history,
     dense_data,
     dense_model,
     max_weight_difference,
@@ -17,6 +20,8 @@ from models import (
 )
 
 import kmirror
+from kmirror import tf_hooks
+from kmirror.keras_hooks import optimizers
 
 
 def trained(n=2):
@@ -26,24 +31,55 @@ def trained(n=2):
     return model, x, y
 
 
-def test_unwrap_returns_a_plain_model_with_weights_and_optimizer_state():
-    model, x, y = trained()
-    plain = model.unwrap()
-    assert not isinstance(plain, kmirror.MirroredModel)
-    assert type(plain) is keras.Sequential
-    assert max_weight_difference(plain, model) == 0
-    assert plain.compiled and isinstance(plain.optimizer, keras.optimizers.Adam)
-    assert int(plain.optimizer.iterations) == 8
-    for a, b in zip(plain.optimizer.variables, model.optimizer.variables):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())
+def kmirror_hooks(objects) -> list[str]:
+    """Attributes of kmirror's own code set on these objects (methods, functions)."""
+    found = []
+    for obj in objects:
+        for name, value in vars(obj).items():
+            code = getattr(value, "__func__", value)
+            if (getattr(code, "__module__", None) or "").startswith("kmirror"):
+                found.append(f"{type(obj).__name__}.{name}")
+    return found
 
-    # Both continue identically: the unwrapped model on one device, the wrapped on two.
-    plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert max_weight_difference(plain, model) < 1e-4
+
+def test_unwrap_gives_the_users_model_back_as_a_never_wrapped_model(tmp_path):
+    """The unwrapped model trains, saves and reloads as a model never wrapped does."""
+    x, y = dense_data()
+    never = dense_model("adam")
+    never.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    user = dense_model("adam")
+    model = kmirror.wrap(user, reducer="hierarchical_copy", devices=cpus(2))
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    plain = model.unwrap()
+
+    assert plain is user and type(plain) is keras.Sequential
+    assert max_weight_difference(never, plain) < 1e-5
+    assert int(plain.optimizer.iterations) == 8, "a plain variable again: int() reads it"
+    state = plain.weights + plain.optimizer.variables + plain.metrics_variables
+    assert all(tf_hooks.strategy_of(v.value) is None for v in state), "single-device storage"
+    objects = [plain, *plain.layers, plain.optimizer, *plain.metrics, *state]
+    assert kmirror_hooks(objects) == []
+    assert plain.optimizer not in optimizers._local, "the optimizer is Keras' own again"
+
+    # Both continue on one device alike, and save and reload alike.
+    histories = [
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        for m in (never, plain)
+    ]
+    assert_same_history(*histories)
+    assert max_weight_difference(never, plain) < 1e-5
+    for name, m in (("never", never), ("plain", plain)):
+        m.save(tmp_path / f"{name}.keras")
+    loaded = [keras.models.load_model(tmp_path / f"{n}.keras") for n in ("never", "plain")]
+    assert [type(m) for m in loaded] == [keras.Sequential] * 2
+    assert max_weight_difference(*loaded) < 1e-5
+    for a, b in zip(*(m.optimizer.variables for m in loaded), strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
     np.testing.assert_allclose(
-        plain.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5
+        loaded[1].predict(x, verbose=0), plain.predict(x, verbose=0), atol=1e-6
     )
+    with pytest.raises(ValueError, match="was unwrapped"):
+        model.evaluate(x, y, verbose=0)
 
 
 def test_saved_file_loads_and_predicts_in_a_process_without_kmirror(tmp_path):

@@ -86,26 +86,26 @@ def test_an_own_test_step_sums_its_accuracy_states():
     assert reducer.gathers == 0, "the accuracy of an own test_step is summed, not gathered"
 
 
-def test_a_gan_leaves_kmirror_with_its_optimizers_state_and_the_user_model_unchanged():
+def test_a_gan_trains_its_own_optimizers_and_unwraps_to_itself():
     user = gan()
-    before = [w.numpy().copy() for w in user.weights]
+    d_optimizer, g_optimizer = user.d_optimizer, user.g_optimizer
     model = kmirror.wrap(user, reducer="hierarchical_copy", devices=cpus(2))
     fit(model, FEATURES["gan"])
+    assert int(d_optimizer.iterations.numpy()) == 12  # 3 epochs of 4 batches, the user's object
 
     plain = model.unwrap()
-    assert type(plain) is type(user)
-    for a, b in zip(plain.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert plain is user and user.d_optimizer is d_optimizer and user.g_optimizer is g_optimizer
+    reference = gan()
+    fit(reference, FEATURES["gan"])
+    for a, b in zip(reference.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=FEATURES["gan"].tolerance)
     for name in ("d_optimizer", "g_optimizer"):
-        trained, copied = getattr(model._replica, name), getattr(plain, name)
-        assert int(copied.iterations.numpy()) == 12  # 3 epochs of 4 batches
-        for a, b in zip(trained.variables, copied.variables, strict=True):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
-    for weight, value in zip(user.weights, before, strict=True):
-        np.testing.assert_array_equal(weight.numpy(), value)
-    assert not user.d_optimizer.built, "the user's optimizers are untouched"
+        ours, theirs = getattr(plain, name), getattr(reference, name)
+        for a, b in zip(ours.variables, theirs.variables, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=FEATURES["gan"].tolerance)
+    assert "apply" not in vars(d_optimizer) and "update_state" not in vars(user.metrics[0])
 
-    # The plain copy trains on one device as the original class does.
+    # The unwrapped GAN trains on one device as the original class does.
     x, _, _ = images()
     history = plain.fit(x, batch_size=33, epochs=1, verbose=0).history
     assert set(history) == {"d_loss", "g_loss"}
@@ -115,11 +115,10 @@ def test_a_custom_layer_without_config_unwraps_to_a_plain_model():
     feature = FEATURES["custom_layer_without_config"]
     model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(2))
     fit(model, feature)
-    plain = model.unwrap()
     x, y, _ = feature.data()
-    np.testing.assert_allclose(
-        plain.predict(x, verbose=0), model.predict(x, batch_size=33, verbose=0), atol=1e-6
-    )
+    expected = model.predict(x, batch_size=33, verbose=0)
+    plain = model.unwrap()
+    np.testing.assert_allclose(plain.predict(x, verbose=0), expected, atol=1e-6)
     assert isinstance(plain, keras.Sequential)
 
 

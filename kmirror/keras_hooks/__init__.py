@@ -11,17 +11,17 @@ four things Keras decides per call must be decided over the GLOBAL batch instead
   (Keras' TensorFlow optimizer would sum the gradients again, inside `tf.distribute`).
 
 Keras exposes none of these as public API, so `replica` replaces a few functions of `keras.src`
-while a kmirror replica runs (elsewhere they behave exactly as Keras' own). The package also holds
-every other use of Keras internals, so that it is the only place that touches them:
-`model_state` (a model's compile arguments, compiled loss and metrics, symbolic build, copies
-brought up to date, saving cache, the epoch a restored `fit` starts at, its optimizers' variables)
-and `reading` (the order in which Keras' array adapter draws rows, its class weights and validation
-split, what its PyDataset adapter makes of a batch, the data adapter of a distributed dataset,
-the passes Keras begins over a dataset). A Keras upgrade checks this package; kmirror's
-callbacks, which extend Keras' callback classes, also override the methods Keras' own subclasses
-override. Checked on Keras
-3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1
-(`make test-compat`).
+while a kmirror replica runs (elsewhere they behave exactly as Keras' own), and `optimizers` makes
+the optimizers kmirror trains apply as on one device. The package also holds every other use of
+Keras internals, so that it is the only place that touches them: `storage` (the `tf.Variable`
+behind a Keras variable, which kmirror mirrors in place), `model_state` (a model's compile
+arguments, compiled loss and metrics, symbolic build, saving cache, the epoch a restored `fit`
+starts at) and `reading` (the order in which Keras' array adapter draws rows, its class weights
+and validation split, what its PyDataset adapter makes of a batch, the data adapter of a
+distributed dataset, the passes Keras begins over a dataset). A Keras upgrade checks this
+package; kmirror's callbacks, which extend Keras' callback classes, also override the methods
+Keras' own subclasses override. Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and
+on Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
 """
 
 from kmirror import versions
@@ -29,26 +29,27 @@ from kmirror import versions
 versions.check()  # before the internals this package touches
 
 from kmirror.keras_hooks.model_state import (  # noqa: E402
-    accumulation,
     calls_with_training,
     compile_arguments,
     compiled_loss,
     compiled_metric_list,
     compiled_metrics,
-    compiled_state,
     keep_saving_cache,
-    local_optimizer,
+    loss_tracker,
     masks_of,
     metric_function,
-    no_aggregation,
     print_msg,
-    refresh_copy,
     resolve_auto_jit_compile,
     resume_at_epoch,
     resumed_epoch,
-    step_functions,
     symbolic_build,
     with_masks,
+)
+from kmirror.keras_hooks.optimizers import (  # noqa: E402
+    accumulation,
+    reindex,
+    release,
+    train_locally,
 )
 from kmirror.keras_hooks.reading import (  # noqa: E402
     batch_order,
@@ -67,6 +68,7 @@ from kmirror.keras_hooks.replica import (  # noqa: E402
     install,
     replica,
 )
+from kmirror.keras_hooks.storage import forget_traces, storage, store  # noqa: E402
 
 __all__ = [
     "Rows",
@@ -83,23 +85,25 @@ __all__ = [
     "py_dataset_batches",
     "validation_split",
     "accumulation",
+    "train_locally",
+    "release",
+    "reindex",
+    "storage",
+    "store",
+    "forget_traces",
     "calls_with_training",
     "compile_arguments",
     "compiled_loss",
     "compiled_metric_list",
     "compiled_metrics",
-    "compiled_state",
     "keep_saving_cache",
-    "local_optimizer",
+    "loss_tracker",
     "masks_of",
     "metric_function",
-    "no_aggregation",
     "print_msg",
-    "refresh_copy",
     "resolve_auto_jit_compile",
     "resume_at_epoch",
     "resumed_epoch",
-    "step_functions",
     "symbolic_build",
     "with_masks",
 ]

@@ -141,7 +141,7 @@ def _compute_moments_sync(x, axes, keepdims):
     rows = _current()
     if rows is None:
         return _ORIGINAL["_compute_moments_sync"](x, axes, keepdims)
-    count = rows.all_sum(tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True))
+    count = _global_count(x, axes, rows)
     mean = tf.math.divide_no_nan(rows.all_sum(tf.reduce_sum(x, axis=axes, keepdims=True)), count)
     squared = tf.math.squared_difference(x, tf.stop_gradient(mean))
     variance = tf.math.divide_no_nan(
@@ -150,6 +150,18 @@ def _compute_moments_sync(x, axes, keepdims):
     if not keepdims:
         mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return mean, variance
+
+
+def _global_count(x, axes, rows: Rows) -> tf.Tensor:
+    """How many entries of the global batch a reduction over `axes` takes: every replica's
+    entries have the same shape but for their rows, so no sum is needed when the rows are among
+    the axes."""
+    rank = x.shape.rank
+    axes = sorted({axis % rank for axis in axes})
+    if 0 not in axes:
+        return rows.all_sum(tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True))
+    per_row = tf.reduce_prod(tf.gather(tf.shape(x), axes[1:])) if len(axes) > 1 else 1
+    return tf.cast(rows.total, x.dtype) * tf.cast(per_row, x.dtype)
 
 
 def _batch_norm_moments(layer, inputs, mask):

@@ -16,6 +16,7 @@ import kmirror, keras
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
 model.compile(optimizer="adam", loss="mse")
 by_name = kmirror.wrap(model, reducer="hierarchical_copy", num_packs=2)
+model = by_name.unwrap()                # the same model, to wrap with a reducer object
 by_object = kmirror.wrap(model, reducer=kmirror.reducers.HierarchicalCopy(num_packs=2))
 print(kmirror.reducers.auto())          # what reducer="auto" picks in this process
 ```

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
-from kmirror import keras_hooks
 from kmirror.reducers.former import FormerMembers, honouring_overrides
 from kmirror.reducers.job import Job
 
@@ -76,7 +75,7 @@ class Reducer(FormerMembers):
     def scope(self):
         """The scope in which variables become mirrored on every replica, each replica updating
         its own copy."""
-        with self.strategy.scope(), keras_hooks.no_aggregation():
+        with self.strategy.scope(), _no_aggregation():
             yield
 
     def make_job(self) -> Job:
@@ -150,7 +149,20 @@ class Reducer(FormerMembers):
 
     def all_sum(self, value: tf.Tensor) -> tf.Tensor:
         """The sum over every replica of a small tensor, in replica context (loss normalisers,
-        BatchNormalization's statistics)."""
+        BatchNormalization's statistics). Going backward, each replica's gradient of the sum is
+        the sum of every replica's: the sum's value reaches every replica's loss."""
+        total = self.replica_sum(tf.stop_gradient(value))
+
+        @tf.custom_gradient
+        def summed(value, total):
+            return tf.identity(total), lambda upstream: (self.replica_sum(upstream), None)
+
+        # The sum is computed outside the custom gradient: TensorFlow walks the graph from a
+        # custom gradient's outputs back to its inputs, and a sum's inputs are every replica's.
+        return summed(value, total)
+
+    def replica_sum(self, value: tf.Tensor) -> tf.Tensor:
+        """The sum over every replica of a tensor, in replica context, with no gradient."""
         return tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, value, options=self.communication
         )
@@ -196,6 +208,21 @@ class Reducer(FormerMembers):
 
     def describe(self) -> str:
         return f"{self.name} over {self.num_replicas} replica(s)"
+
+
+def _no_aggregation() -> contextlib.AbstractContextManager:
+    """Variables created in this scope are updated per replica: an assignment in a replica changes
+    that replica's copy (every replica applies the same summed gradient, and updates metrics with
+    the same global values, so copies stay equal). Metric variables, which Keras makes
+    synchronised on read, are mirrored like the others (read in any context)."""
+
+    def creator(next_creator, **kwargs):
+        kwargs["aggregation"] = tf.VariableAggregation.NONE
+        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+            kwargs["synchronization"] = tf.VariableSynchronization.AUTO
+        return next_creator(**kwargs)
+
+    return tf.variable_creator_scope(creator)
 
 
 def check_num_packs(num_packs) -> int:

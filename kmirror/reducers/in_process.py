@@ -1,7 +1,7 @@
 """Reducers for several devices in one process, on `tf.distribute.MirroredStrategy`.
 
-Each is a thin choice of TensorFlow's cross-device ops. `HierarchicalCopy` replaces TensorFlow's
-grouping, which drops one device's gradient when the device count is odd.
+Each is a thin choice of TensorFlow's cross-device ops for the gradients. `HierarchicalCopy`
+replaces TensorFlow's grouping, which drops one device's gradient when the device count is odd.
 """
 
 from __future__ import annotations
@@ -26,6 +26,24 @@ class InProcessReducer(Reducer):
     def make_strategy(self, devices: list[str]) -> tf.distribute.Strategy:
         self.check_devices(devices)
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=self.cross_device_ops())
+
+    def replica_sum(self, value: tf.Tensor) -> tf.Tensor:
+        # Each replica's value copied to the first device, summed there and copied back: the
+        # sums of statistics and normalisers are small. (TensorFlow's own replica all_reduce gives
+        # its result a custom gradient whose tracing walks every replica's graph, at every call.)
+        def merge(strategy, per_replica):
+            values = strategy.experimental_local_results(per_replica)
+            with tf.device(values[0].device):
+                total = tf.math.add_n(values)
+            copies = []
+            for replica_value in values:
+                with tf.device(replica_value.device):
+                    copies.append(tf.identity(total))
+            return strategy.experimental_distribute_values_from_function(
+                lambda context: copies[context.replica_id_in_sync_group]
+            )
+
+        return tf.distribute.get_replica_context().merge_call(merge, args=(value,))
 
     def batches_on_devices(self, dataset: tf.data.Dataset):
         if self.num_replicas < 2:

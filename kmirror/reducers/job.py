@@ -64,6 +64,13 @@ class Job:
         """Seeds every process's random generators alike, so that they shuffle data alike
         (no-op within one process)."""
 
+    def seed_once(self) -> None:
+        """`agree_on_seed` the first time it is asked; from then on the processes draw the same
+        numbers (seeding again would clear TensorFlow's kernel caches: the step is rebuilt)."""
+        if not getattr(self, "_seeded", False):
+            self.agree_on_seed()
+            self._seeded = True
+
     def failures(self) -> contextlib.AbstractContextManager:
         """A context that turns a lost peer's low-level error into `kmirror.errors.PeerLost`."""
         return contextlib.nullcontext()

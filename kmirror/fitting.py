@@ -1,0 +1,66 @@
+"""One `fit` of a wrapped model: what it settles before Keras' loop starts, and how it ends.
+
+Before the loop, the job's processes seed their random generators alike (once per job: they then
+shuffle alike), agree on where a relaunch resumes (`kmirror.resume`), and turn the user's input
+into what this process reads (`kmirror.inputs`); a watch on the epochs (`errors.NonFiniteWatch`)
+joins the callbacks. A resumed epoch is shorter than the others: its batches are drawn in Python,
+a step per call (`draws_in_python`). A non-finite global loss ends the fit with
+`kmirror.errors.NonFiniteLoss`, at the same step in every process.
+
+Example:
+
+```python
+call = Fit(model, reducer, inputs, args, kwargs)
+with call.running():
+    keras.Model.fit(model, **call.arguments)
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import keras
+import tensorflow as tf
+
+from kmirror import errors
+from kmirror import inputs as inputs_lib
+from kmirror import resume as resume_lib
+from kmirror.reducers.base import Reducer
+
+__all__ = ["Fit"]
+
+
+class Fit:
+    """One call of a wrapped model's `fit`: its arguments as Keras takes them, and its state."""
+
+    def __init__(
+        self, model: keras.Model, reducer: Reducer, inputs: inputs_lib.Inputs, args, kwargs
+    ) -> None:
+        job = reducer.job
+        job.seed_once()
+        arguments = inputs_lib.arguments_of(keras.Model.fit, model, args, kwargs, job.is_chief)
+        resume = resume_lib.agree(reducer, arguments)
+        #: Batches drawn in Python, a step per call: the resumed epoch is shorter than the
+        #: others, and Keras' step function would find its end inside the graph, after advancing
+        #: the optimizer's step counter.
+        self.draws_in_python = resume is not None and resume.step > 0
+        self.arguments = inputs.for_fit(arguments, resume)
+        #: The PyDataset this fit reads, drawn as Keras draws it (None for other input).
+        self.batches = inputs.batches
+        self._watch = errors.NonFiniteWatch()
+        self.arguments["callbacks"] = [*(self.arguments.get("callbacks") or []), self._watch]
+
+    @contextlib.contextmanager
+    def running(self):
+        """The context Keras' loop runs in: a non-finite loss becomes `NonFiniteLoss`."""
+        try:
+            with warnings.catch_warnings():
+                if self.draws_in_python:
+                    warnings.filterwarnings("ignore", message="Your input ran out of data")
+                yield
+        except tf.errors.InvalidArgumentError as error:
+            if errors.NON_FINITE not in str(error):
+                raise
+            raise errors.NonFiniteLoss(self._watch.describe_non_finite()) from None

@@ -1,0 +1,143 @@
+"""The user's model trained where it is: its variables mirrored on the replicas in place, and back.
+
+`wrap` gives each variable of the user's model, of its optimizers and of its metrics new storage
+with one copy per replica (`kmirror.keras_hooks.store`, in the reducer's scope, from the current
+value), and drops the single-device storage, so the weights are held once per replica. The Keras
+variable objects stay: every layer, optimizer and metric object, and every reference the user
+holds to them, is the one that trains. Nothing is copied but values, so any model that trains on
+one device can be wrapped, whatever its depth or its layers' code, in time proportional to its
+variables. `unmirror` (at `unwrap`) gives each variable single-device storage again, with the
+trained value.
+
+Variables made later (a model built at its first batch, an optimizer built at its first update)
+are made in the scope (`Mirror.scope`) and so are mirrored from the start.
+
+Example:
+
+```python
+mirror = Mirror(reducer)
+mirror.mirror(model)        # model's state now has one copy per replica
+mirror.unmirror(model)      # single-device again
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import keras
+
+from kmirror import keras_hooks, tf_hooks
+from kmirror.reducers.base import Reducer
+
+__all__ = ["Mirror", "is_wrapped", "optimizers", "state"]
+
+_mirrored_models = weakref.WeakKeyDictionary()  # a wrapped model's user model -> its Mirror
+
+
+class Mirror:
+    """One user model's state, mirrored on one reducer's replicas."""
+
+    def __init__(self, reducer: Reducer) -> None:
+        self._reducer = reducer
+        self._optimizers = weakref.WeakSet()
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Variables made in this scope are mirrored on every replica."""
+        return self._reducer.scope()
+
+    def adopt(self, model: keras.Model) -> None:
+        """Mirrors `model`'s state in place: the first wrap of `model`. On failure, `model` is as
+        it was."""
+        _mirrored_models[model] = self
+        try:
+            self.mirror(model)
+        except BaseException:
+            self.unmirror(model)
+            raise
+
+    def mirror(self, model: keras.Model) -> int:
+        """Mirrors every variable of `model`'s state that is not mirrored yet (made since, or
+        given by the user); returns how many were."""
+        for optimizer in optimizers(model):
+            self.train(optimizer)
+        strategy = self._reducer.strategy
+        pending = []
+        for variable in state(model):
+            stored = keras_hooks.storage(variable)
+            owner = None if stored is None else tf_hooks.strategy_of(stored)
+            if stored is None or owner is strategy:
+                continue
+            if owner is not None:
+                raise ValueError(
+                    f"the variable {variable.path} is already distributed: it was created in a "
+                    "tf.distribute strategy's scope, or it belongs to a model kmirror already "
+                    "wraps. Build the model outside any strategy scope (kmirror.wrap replicates "
+                    "it), and wrap each layer in one model at a time."
+                )
+            pending.append(variable)
+        with self.scope():
+            for variable in pending:
+                keras_hooks.store(variable, keras_hooks.storage(variable).read_value())
+        if pending:
+            for optimizer in optimizers(model):
+                keras_hooks.reindex(optimizer)
+        return len(pending)
+
+    def train(self, optimizer) -> None:
+        """`optimizer` applies each replica's summed gradient on the replica, and builds its
+        variables mirrored (`kmirror.keras_hooks.train_locally`)."""
+        keras_hooks.train_locally(optimizer)
+        self._optimizers.add(optimizer)
+
+    def build_optimizer(self, optimizer, variables: list) -> None:
+        """Builds `optimizer` for `variables`, its variables mirrored (once)."""
+        if optimizer is None or optimizer.built:
+            return
+        self.train(optimizer)
+        with self.scope():
+            optimizer.build(variables)
+
+    def unmirror(self, model: keras.Model) -> None:
+        """Gives every mirrored variable of `model`'s state single-device storage again, holding
+        its value, and leaves Keras' own behaviour to its optimizers."""
+        strategy = self._reducer.strategy
+        for variable in state(model):
+            stored = keras_hooks.storage(variable)
+            if stored is not None and tf_hooks.strategy_of(stored) is strategy:
+                keras_hooks.store(variable, stored.read_value())
+        for optimizer in list(self._optimizers):
+            keras_hooks.release(optimizer)
+            keras_hooks.reindex(optimizer)
+        keras_hooks.forget_traces(model)
+        if _mirrored_models.get(model) is self:
+            del _mirrored_models[model]
+
+
+def is_wrapped(model: keras.Model) -> bool:
+    """Whether `model`'s state is mirrored by a wrapped model now."""
+    return _mirrored_models.get(model) is not None
+
+
+def optimizers(model: keras.Model) -> list:
+    """The model's optimizers: its compiled one and those it holds as attributes (a GAN's)."""
+    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and value not in found:
+            found.append(value)
+    return found
+
+
+def state(model: keras.Model) -> list:
+    """Every variable training `model` reads or writes: its weights and random generators' states,
+    its optimizers' variables and its metrics'."""
+    found, seen = [], set()
+    groups = [model.variables, *(o.variables for o in optimizers(model))]
+    groups += [metric.variables for metric in model.metrics]
+    for group in groups:
+        for variable in group:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+    return found
