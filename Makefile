@@ -17,15 +17,19 @@ $(STAMP): pyproject.toml constraints.txt scripts/install_horovod.sh
 demo: install
 	$(PY) examples/demo.py
 
+# Two processes, tests grouped (tests/conftest.py): a test's time is mostly tracing, on one core.
+PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: install lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(PARALLEL)
 
 # The core tests on the oldest supported Keras and TensorFlow (kmirror.versions), in their own venv.
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 COMPAT_TESTS := tests/test_equivalence.py tests/test_keras_api.py tests/test_leaving.py \
-	tests/test_bad_input.py tests/test_features.py tests/test_metric_states.py tests/test_backup.py
+	tests/test_bad_input.py tests/test_features.py tests/test_metric_states.py tests/test_backup.py \
+	tests/test_in_place.py
 
 $(COMPAT_STAMP): pyproject.toml constraints-compat.txt
 	python3 -m venv $(COMPAT_VENV)
@@ -55,6 +59,7 @@ bench: install
 	$(PY) benchmarks/bench_accumulation.py
 	$(PY) benchmarks/bench_large_output.py
 	$(PY) benchmarks/bench_input_sharding.py
+	$(PY) benchmarks/bench_real_models.py
 	$(PY) benchmarks/report.py
 
 soak: install

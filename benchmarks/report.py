@@ -222,6 +222,46 @@ def large_output(results: dict) -> str:
     )
 
 
+def real_models(results: dict) -> str:
+    section = results["real_models"]
+    setup = section["setup"]
+    keys = [key for key in section if key != "setup"]
+    figures = [
+        ("first_step_s", "wrap_first_step", "wrap and first step", "s"),
+        ("step_s", "step_time", "time per step", "s"),
+        ("tensor_peak_mib", "peak_memory", "peak tensor memory", "MiB"),
+    ]
+    fig, axes = plt.subplots(1, len(figures), figsize=(12, 3.2))
+    width = 0.38
+    for ax, (name, _, title, unit) in zip(axes, figures):
+        for offset, (side, color) in enumerate((("native", "gray"), ("kmirror", "C0"))):
+            values = [section[key][f"{side}_{name}"] for key in keys]
+            positions = [i + (offset - 0.5) * width for i in range(len(keys))]
+            label = "native MirroredStrategy" if side == "native" else side
+            ax.bar(positions, values, width, color=color, label=label)
+        ax.set_xticks(range(len(keys)), keys)
+        ax.set(ylabel=unit, title=title)
+    axes[0].legend(fontsize="small")
+    save(fig, "real_models.png")
+    rows = [
+        [
+            key,
+            f"{title}, {unit}",
+            section[key][f"native_{name}"],
+            section[key][f"kmirror_{name}"],
+            f"{section[key][ratio]:.3f}",
+        ]
+        for key in keys
+        for name, ratio, title, unit in figures
+    ]
+    return (
+        f"### Real models ({', '.join(setup['models'])}, {setup['replicas']} replicas, global "
+        f"batch {setup['global_batch']})\n\n"
+        + table(["model", "", "native MirroredStrategy", "kmirror", "kmirror / native"], rows)
+        + "\n\n![real models](img/benchmarks/real_models.png)\n"
+    )
+
+
 def input_sharding(results: dict) -> str:
     ratios, details = results["input_sharding"], results.get("input_sharding_details", {})
     modes = list(ratios)
@@ -283,6 +323,7 @@ def body(results: dict) -> str:
         ("accumulation", accumulation),
         ("large_output", large_output),
         ("input_sharding", input_sharding),
+        ("real_models", real_models),
     ):
         if section in results:
             parts.append(render(results))

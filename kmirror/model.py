@@ -199,8 +199,6 @@ class MirroredModel(keras.Model):
                 jit_compile=False,
             )
             return
-        if model.built:
-            self._mirror.build_optimizer(model.optimizer, model.trainable_variables)
         config = keras_hooks.compile_arguments(model)
         self._replica_jit_compile = bool(model.jit_compile) and not model.run_eagerly
         if self._replica_jit_compile and self._sync_batch_norm and _has_batch_norm(model):

@@ -1,9 +1,18 @@
 """Test set-up: split the host CPU into 7 logical devices before TensorFlow initialises.
 
 Tests pick 1 to 7 of them with `devices=cpus(n)`.
+
+`make test` runs the suite in 2 processes (pytest-xdist, `--dist loadgroup`): most of a test's time
+is tracing TensorFlow graphs in Python, on one core. Tests run in groups, one process per group:
+each module's tests together (they share references and jobs), each deep model's together (they
+share its single-device reference), and every test that launches a job of several processes in
+one group, so that no two jobs start at once (each picks free ports, and a port freed by one could
+be taken by the other before its processes bind it). The costliest groups are handed out first.
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -12,7 +21,38 @@ import kmirror  # noqa: E402
 MAX_DEVICES = 7
 kmirror.devices.simulate(MAX_DEVICES)
 
+#: The tests that launch jobs of several processes: modules, or tests by name.
+JOBS = (
+    "tests/test_horovod.py",
+    "tests/test_multi_worker.py",
+    "tests/test_callbacks.py",
+    "tests/test_faults.py",
+    "tests/test_examples.py::test_horovod_example_under_the_launcher",
+    "tests/test_examples.py::test_multi_worker_example_under_the_launcher",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[03_horovod_ring.ipynb]",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[04_multi_worker.ipynb]",
+    "tests/test_docs.py::test_every_public_name_has_a_runnable_example",
+)
+#: Groups handed out first, costliest first (the others follow in the order collected).
+FIRST = ("jobs", "deep DenseNet121", "deep ResNet50", "deep EfficientNetB0", "deep ConvNeXtTiny")
+
 
 def cpus(n: int) -> list[str]:
     """The first n simulated CPU devices."""
     return [f"/device:CPU:{i}" for i in range(n)]
+
+
+def group(item) -> str:
+    if any(item.nodeid == job or item.nodeid.startswith(job + "::") for job in JOBS):
+        return "jobs"
+    deep = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+    if "test_deep_model" in item.nodeid and deep:
+        return f"deep {deep}"
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(FIRST)))

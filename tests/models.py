@@ -87,16 +87,16 @@ def multi_io_model(opt="sgd", seed=1):
     label = keras.layers.Dense(3, name="label")(hidden)
     value = keras.layers.Dense(1, name="value")(hidden)
     model = keras.Model({"tokens": tokens, "numbers": numbers}, {"label": label, "value": value})
-    model.compile(
-        optimizer=optimizer(opt),
-        loss={
-            "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            "value": "mse",
-        },
-        loss_weights={"label": 1.0, "value": 0.5},
-        metrics={"label": ["accuracy"], "value": ["mae"]},
-    )
+    model.compile(optimizer=optimizer(opt), **MULTI_IO_COMPILE)
     return model
+
+
+#: How multi_io_model compiles, but for the optimizer.
+MULTI_IO_COMPILE = dict(
+    loss={"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "value": "mse"},
+    loss_weights={"label": 1.0, "value": 0.5},
+    metrics={"label": ["accuracy"], "value": ["mae"]},
+)
 
 
 @keras.saving.register_keras_serializable(package="kmirror_tests")

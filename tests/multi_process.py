@@ -92,6 +92,23 @@ def assert_feature_equals_single_device(ranks, name):
         assert_same_history(history, rank[scenario]["history"], rtol=1e-4)
 
 
+def assert_real_models_equal_single_device(ranks):
+    """A deep model in float64 and the transfer-learning flow, as on one device."""
+    from real_models import DEEP, deep_reference, transfer_reference
+
+    weights, history = deep_reference("MobileNetV2")
+    tolerance = DEEP["MobileNetV2"].tolerance
+    assert_equal_across_ranks(ranks, "deep")
+    for rank in ranks:
+        assert max_weight_difference(Weights(weights), Weights(rank["deep"]["weights"])) < tolerance
+        assert_same_history(history, rank["deep"]["history"], rtol=tolerance, atol=tolerance)
+    weights, history, _ = transfer_reference()
+    assert_equal_across_ranks(ranks, "transfer")
+    for rank in ranks:
+        assert max_weight_difference(Weights(weights), Weights(rank["transfer"]["weights"])) < 1e-6
+        assert_same_history(history, rank["transfer"]["history"])
+
+
 def assert_chief_weights_before_any_fit(ranks):
     """Every process evaluates and predicts with the chief's initial weights (seed 1), though each
     built its model with its own seed."""

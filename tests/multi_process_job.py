@@ -34,6 +34,7 @@ from models import (  # noqa: E402
 )
 from multi_process import LOCAL_BATCH, sharded_elements  # noqa: E402
 from own_steps import own_evaluation  # noqa: E402
+from real_models import DEEP, precision, transfer_flow, transfer_model  # noqa: E402
 
 EPOCHS = 3
 
@@ -71,6 +72,8 @@ def main(out):
         "num_replicas": model.num_replicas,
         "reducer": model.reducer,
     }
+    if os.environ.get("KMIRROR_TEST_REAL_MODELS"):
+        run_real_models(results, seed)
     if os.environ.get("KMIRROR_TEST_CORE"):  # the first scenarios only (and the features)
         if os.environ.get("KMIRROR_TEST_FEATURES"):
             run_features(results)
@@ -215,6 +218,20 @@ def run_sharded_input(results, seed):
         results["uneven local batches"] = "trained"
     except ValueError as error:
         results["uneven local batches"] = str(error)
+
+
+def run_real_models(results, seed):
+    """A deep model (float64) and the keras.io transfer-learning flow, each rank starting from its
+    own weights (tests/real_models.py)."""
+    deep = DEEP["MobileNetV2"]
+    with precision(deep.floatx):
+        model = kmirror.wrap(deep.build(seed=seed), reducer=REDUCER)
+        history = deep.fit(model)
+    results["deep"] = {"weights": model.get_weights(), "history": history}
+    model, base = transfer_model(seed=seed)
+    wrapped = kmirror.wrap(model, reducer=REDUCER)
+    history = transfer_flow(wrapped, base)
+    results["transfer"] = {"weights": wrapped.get_weights(), "history": history}
 
 
 def run_features(results):

@@ -13,6 +13,18 @@ import kmirror
 ROOT = Path(__file__).parent.parent
 
 
+#: The plots `make bench` draws into docs/benchmarks.md.
+PLOTS = (
+    "overhead",
+    "allreduce",
+    "fusion",
+    "compression",
+    "scaling",
+    "input_sharding",
+    "real_models",
+)
+
+
 def test_docs_build_strictly(tmp_path):
     mkdocs = Path(sys.executable).with_name("mkdocs")
     done = subprocess.run(
@@ -27,7 +39,7 @@ def test_docs_build_strictly(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name in kmirror.__all__:
         assert f'id="kmirror.{name}"' in api, f"kmirror.{name} is missing from the API reference"
-    for plot in ("overhead", "allreduce", "fusion", "compression", "scaling", "input_sharding"):
+    for plot in PLOTS:
         assert (tmp_path / "site" / "img" / "benchmarks" / f"{plot}.png").exists(), plot
 
 

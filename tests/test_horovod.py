@@ -22,6 +22,7 @@ from multi_process import (
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
     assert_own_evaluation_equals_single_device,
+    assert_real_models_equal_single_device,
     assert_sharded_input_equals_single_device,
     assert_uneven_local_batches_are_refused,
     reference,
@@ -45,7 +46,8 @@ def command(launcher: str, script: list[str], n: int = 2) -> list[str]:
 def job(launcher: str, folder: str) -> list[dict]:
     # Everything runs under kmirror.launch; horovodrun starts the same Horovod ranks, so under it
     # the job trains its first model only (test_horovodrun_starts_the_same_ranks).
-    features = {"KMIRROR_TEST_FEATURES": "1"} if launcher == "kmirror.launch" else {}
+    features = {"KMIRROR_TEST_FEATURES": "1", "KMIRROR_TEST_REAL_MODELS": "1"}
+    features = features if launcher == "kmirror.launch" else {}
     if launcher == "horovodrun":
         features = {"KMIRROR_TEST_CORE": "1"}
     done = subprocess.run(
@@ -84,6 +86,12 @@ def test_two_ranks_equal_single_device(ranks, scenario):
     for rank in ranks:
         assert max_weight_difference(model, Weights(rank[scenario]["weights"])) < 1e-5
         assert_same_history(history, rank[scenario]["history"])
+
+
+def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(ranks):
+    """MobileNetV2 in float64 and the keras.io transfer-learning flow (unfreezing through the
+    user's reference), each rank starting from its own weights."""
+    assert_real_models_equal_single_device(ranks)
 
 
 def test_horovodrun_starts_the_same_ranks(tmp_path_factory):

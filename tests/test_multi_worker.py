@@ -23,6 +23,7 @@ from multi_process import (
     assert_equal_across_ranks,
     assert_feature_equals_single_device,
     assert_own_evaluation_equals_single_device,
+    assert_real_models_equal_single_device,
     assert_sharded_input_equals_single_device,
     assert_uneven_local_batches_are_refused,
     reference,
@@ -52,9 +53,13 @@ def launch(script: list[str], workers: int = 2, timeout: int = TIMEOUT):
 
 @functools.cache
 def job(devices_per_worker: int, folder: str) -> list[dict]:
-    # With one device per worker (2 replicas, one per process): the feature matrix and the first
-    # scenarios; with two (4 replicas): every scenario.
-    first_and_features = {"KMIRROR_TEST_FEATURES": "1", "KMIRROR_TEST_CORE": "1"}
+    # With one device per worker (2 replicas, one per process): the feature matrix, the first
+    # scenarios and the real models; with two (4 replicas): every other scenario.
+    first_and_features = {
+        "KMIRROR_TEST_FEATURES": "1",
+        "KMIRROR_TEST_CORE": "1",
+        "KMIRROR_TEST_REAL_MODELS": "1",
+    }
     scenarios = first_and_features if devices_per_worker == 1 else {}
     done = subprocess.run(
         launch([str(HERE / "multi_process_job.py"), folder, "ring", str(devices_per_worker)]),
@@ -90,6 +95,12 @@ def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", MULTI_PROCESS)
 def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, name):
     assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
+
+
+def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(tmp_path_factory):
+    """MobileNetV2 in float64 and the keras.io transfer-learning flow, on 2 workers of one
+    device each, each starting from its own weights."""
+    assert_real_models_equal_single_device(launched(1, tmp_path_factory))
 
 
 def test_two_workers_equal_single_device(layouts):

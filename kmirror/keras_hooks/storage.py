@@ -19,9 +19,21 @@ def storage(variable) -> tf.Variable | None:
 
 
 def store(variable, value) -> None:
-    """Gives `variable` new storage holding `value`, created in the current scope as Keras
-    creates it (its dtype, trainability, name, aggregation and synchronisation)."""
-    variable._initialize(value)
+    """Gives `variable` new storage holding `value`, created in the current scope as Keras creates
+    it (its dtype, name, aggregation and synchronisation), and trainable as its storage was: a
+    gradient tape watches a variable by its storage's flag, which Keras sets when it creates the
+    variable (a layer frozen since keeps trainable storage)."""
+    before = variable._value
+    variable._initialize(
+        tf.Variable(
+            value,
+            dtype=before.dtype,
+            trainable=before.trainable,
+            name=variable.name,
+            aggregation=variable._map_aggregation(variable.aggregation),
+            synchronization=variable._map_synchronization(variable.synchronization),
+        )
+    )
 
 
 def forget_traces(model) -> None:
