@@ -4,8 +4,9 @@ states, and, only for metrics and per-output losses that need them, the gathered
 Example:
 
 ```python
-logged = Logged.of(compiled_metrics, compiled_loss=True)
+logged = Logged.of(wrapped)   # a compiled keras.Model: its metrics and loss
 outcome = step.train(model, reducer, data, logged=logged)   # an Outcome
+logs = record(wrapped, data, outcome)
 ```
 """
 
@@ -19,7 +20,7 @@ import tensorflow as tf
 from kmirror import keras_hooks, metric_states
 from kmirror.reducers.base import Reducer
 
-__all__ = ["Logged", "Outcome"]
+__all__ = ["Logged", "Outcome", "record"]
 
 
 class Outcome(NamedTuple):
@@ -61,11 +62,14 @@ class Logged:
         self.local_rows = False
 
     @classmethod
-    def of(cls, metrics: keras.metrics.Metric | None, compiled_loss: bool) -> Logged:
-        """What a model with these compiled metrics (and a compiled loss or not) logs from."""
+    def of(cls, model: keras.Model) -> Logged:
+        """What a compiled model logs from: the replicas' summed states when its metrics' states
+        add up, else (and for per-output losses) the gathered predictions."""
+        metrics = keras_hooks.compiled_metrics(model)
         if metrics is not None and not metric_states.adds_up(metrics):
             return cls(gather=True)
         states = metrics if metrics is not None and metrics.variables else None
+        compiled_loss = keras_hooks.compiled_loss(model) is not None
         return cls(metrics=states, gather=False, gather_nested=compiled_loss)
 
     def holding(self, place) -> Logged:
@@ -100,6 +104,25 @@ class Logged:
         if self.metrics is None:
             return Outcome(total, rows, y_pred, None, targets)
         return Outcome(tf.cast(total[0], self.loss_dtype), rows, y_pred, total[1:], targets)
+
+
+def record(model: keras.Model, data, outcome: Outcome) -> dict:
+    """Updates `model`'s loss tracker and compiled metrics from `outcome`, once per global
+    batch as single-device Keras does, and returns its logs."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if outcome.targets is not None:  # this process held its rows only
+        y, sample_weight = outcome.targets
+    keras_hooks.loss_tracker(model).update_state(outcome.loss, sample_weight=outcome.rows)
+    compiled_loss = keras_hooks.compiled_loss(model)
+    y_pred = outcome.y_pred
+    if compiled_loss is not None and y_pred is not None and tf.nest.is_nested(y_pred):
+        # Per-output losses are logged by the loss object itself, on the global batch.
+        compiled_loss(y, y_pred, sample_weight)
+    if outcome.metric_sum is not None:
+        metric_states.add(keras_hooks.compiled_metrics(model), outcome.metric_sum)
+    elif y_pred is not None:
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return model.get_metrics_result()
 
 
 def _gathered(reducer: Reducer, outputs):

@@ -11,6 +11,9 @@ work to the module whose job it is:
   global batch) or `kmirror.own_step` (a model's own `train_step`, `test_step`, `predict_step`);
 - what one `fit` settles (the job's seed, where a relaunch resumes, the input this process reads,
   the watch for a non-finite loss): `kmirror.fitting`; what `evaluate` reads: `kmirror.inputs`;
+- what it compiles with, taken from the user's model: `kmirror.compiling`; building the user's
+  model and the logs' metrics before the first step: `kmirror.building`; the logs updated once
+  per global batch: `kmirror.logged`;
 - every process starting from the chief's state: `kmirror.chief_state`;
 - the variables mirrored, and single-device again at `unwrap()`: `kmirror.mirroring`.
 
@@ -20,16 +23,15 @@ surface that answers as the user's model, belong to one class.
 
 from __future__ import annotations
 
-import warnings
-
 import keras
 import tensorflow as tf
 
 from kmirror import (
+    building,
+    compiling,
     fitting,
     keras_hooks,
     logged,
-    metric_states,
     mirroring,
     own_step,
     placement,
@@ -85,13 +87,16 @@ class MirroredModel(keras.Model):
             prefetch = any(
                 tf.DeviceSpec.from_string(d).device_type == "GPU" for d in reducer.devices
             )
-        self._reading = inputs_lib.Inputs(
-            reducer, prefetch, build=self._build_from_spec, built=lambda: model.built
-        )
         self._own_steps = own_step.overridden(model)
         self._own_training = bool(self._own_steps & {"train_step", "test_step"})
         self._replica_jit_compile = False
         self._chief = ChiefState(reducer.job, self._shared_variables)
+        self._builder = building.Builder(
+            self, model, reducer, self._mirror, self._own_training, built=self._chief.changed
+        )
+        self._reading = inputs_lib.Inputs(
+            reducer, prefetch, build=self._builder.from_spec, built=lambda: model.built
+        )
         self._fit: fitting.Fit | None = None  # the fit running, if any
         self._unwrapped = False
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
@@ -187,41 +192,12 @@ class MirroredModel(keras.Model):
         self._adopt_compile()
 
     def _adopt_compile(self) -> None:
-        """This model takes the user's model's compile settings: its optimizer, and its losses
-        and metrics for the logs (copies: the step updates them once per global batch)."""
-        model = self._model
-        self._mirror.mirror(model)
-        if self._own_training:  # the user's model's metrics are this model's
-            super().compile(
-                optimizer=model.optimizer,
-                run_eagerly=model.run_eagerly,
-                steps_per_execution=model.steps_per_execution,
-                jit_compile=False,
-            )
-            return
-        config = keras_hooks.compile_arguments(model)
-        self._replica_jit_compile = bool(model.jit_compile) and not model.run_eagerly
-        if self._replica_jit_compile and self._sync_batch_norm and _has_batch_norm(model):
-            warnings.warn(
-                "kmirror: the replicas' forward and backward passes are not compiled with XLA: "
-                "BatchNormalization sums its statistics over the replicas inside that pass, which "
-                "XLA cannot compile here. Pass sync_batch_norm=False to kmirror.wrap to compile "
-                "them (each replica then normalises with its own rows' statistics).",
-                stacklevel=3,
-            )
-            self._replica_jit_compile = False
-        # The outer step is never XLA-compiled; the user's optimizer already scales the loss.
-        super().compile(
-            optimizer=model.optimizer,
-            loss=config.get("loss"),
-            loss_weights=config.get("loss_weights"),
-            metrics=_fresh(config.get("metrics")),
-            weighted_metrics=_fresh(config.get("weighted_metrics")),
-            run_eagerly=model.run_eagerly,
-            steps_per_execution=model.steps_per_execution,
-            jit_compile=False,
-            auto_scale_loss=False,
+        """This model takes the user's model's compile settings (`kmirror.compiling`)."""
+        self._mirror.mirror(self._model)
+        arguments, self._replica_jit_compile = compiling.outer(
+            self._model, self._own_training, self._sync_batch_norm
         )
+        super().compile(**arguments)
 
     def _assert_compile_called(self, method_name=None):
         if not self.compiled:
@@ -256,20 +232,20 @@ class MirroredModel(keras.Model):
             data,
             jit_compile=self._replica_jit_compile,
             global_statistics=self._sync_batch_norm,
-            logged=self._logged(),
+            logged=logged.Logged.of(self),
             place=place,
         )
         self._samples_seen.assign_add(tf.cast(outcome.rows, tf.int64))
-        return self._record(data, outcome)
+        return logged.record(self, data, outcome)
 
     def test_step(self, data):
         data, place = rows_lib.unpack(data)
         if self._own_training:
             return own_step.evaluate(self._model, self._reducer, data, place=place)
         outcome = step.evaluate(
-            self._model, self._reducer, data, logged=self._logged(), place=place
+            self._model, self._reducer, data, logged=logged.Logged.of(self), place=place
         )
-        return self._record(data, outcome)
+        return logged.record(self, data, outcome)
 
     def predict_step(self, data):
         data, place = rows_lib.unpack(data)
@@ -283,74 +259,10 @@ class MirroredModel(keras.Model):
             )
         return step.predict(self._model, self._reducer, data)
 
-    def _logged(self) -> logged.Logged:
-        """Metrics whose states add up are updated from the replicas' summed states; others
-        (and per-output losses) from the gathered predictions."""
-        metrics = keras_hooks.compiled_metrics(self)
-        return logged.Logged.of(metrics, compiled_loss=keras_hooks.compiled_loss(self) is not None)
-
-    def _record(self, data, outcome: logged.Outcome):
-        """Updates the Keras metrics once per global batch, as single-device Keras does."""
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if outcome.targets is not None:  # this process held its rows only
-            y, sample_weight = outcome.targets
-        keras_hooks.loss_tracker(self).update_state(outcome.loss, sample_weight=outcome.rows)
-        compiled_loss = keras_hooks.compiled_loss(self)
-        y_pred = outcome.y_pred
-        if compiled_loss is not None and y_pred is not None and tf.nest.is_nested(y_pred):
-            # Per-output losses are logged by the loss object itself, on the global batch.
-            compiled_loss(y, y_pred, sample_weight)
-        if outcome.metric_sum is not None:
-            metric_states.add(keras_hooks.compiled_metrics(self), outcome.metric_sum)
-        elif y_pred is not None:
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return self.get_metrics_result()
-
     # -- building -------------------------------------------------------------------------------
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras builds models inside the strategy scope from one batch; kmirror builds the
-        # user's model in the replicas' scope, from a global batch, so uneven batches never reach
-        # the build, and its new variables are mirrored from the start.
-        model = self._model
-        if self._own_training:  # a GAN or VAE holding built sub-models has no call() of its own
-            model_built = all(layer.built for layer in _layers(model))
-        else:
-            model_built = model.built
-        loss = keras_hooks.compiled_loss(model)
-        loss_built = loss is None or loss.built
-        optimizers_built = all(o.built for o in mirroring.optimizers(model))
-        metrics = None if self._own_training else keras_hooks.compiled_metrics(self)
-        if model_built and loss_built and optimizers_built and (metrics is None or metrics.built):
-            return
-        if data_batch is None:
-            for _, _, batches in iterator:
-                data_batch = next(batches)
-                break
-        data_batch, _ = rows_lib.unpack(data_batch)
-        if not (model_built and loss_built):
-            for optimizer in mirroring.optimizers(model):
-                self._mirror.train(optimizer)  # Keras' build also builds the optimizer
-            with self._mirror.scope():
-                keras_hooks.symbolic_build(model, _symbolic(data_batch))
-        if self._own_training:
-            own_step.build_optimizers(model, self._reducer, data_batch)
-        elif model.compiled:
-            self._mirror.build_optimizer(model.optimizer, model.trainable_variables)
-        if metrics is not None and not metrics.built:
-            # This model's metrics are updated outside the replicas, from their summed states.
-            keras_hooks.symbolic_build(self, _symbolic(data_batch))
-        self._mirror.mirror(model)
-        self._chief.changed()
-
-    def _build_from_spec(self, x) -> None:
-        """Builds from a dataset's element spec, drawing no batch from it: a batch drawn before
-        training would advance a seeded shuffle, and the epochs would no longer be one device's."""
-        if not isinstance(x, tf.data.Dataset):
-            return
-        spec, _ = rows_lib.unpack(x.element_spec)
-        leaves = tf.nest.flatten(spec)
-        if all(isinstance(s, tf.TensorSpec) and s.shape.rank is not None for s in leaves):
-            self._maybe_symbolic_build(data_batch=spec)
+        # Keras builds a model here before its first step (`kmirror.building`).
+        self._builder.build(iterator, data_batch)
 
     # -- fit, evaluate, predict -----------------------------------------------------------------
     def fit(self, *args, **kwargs):
@@ -379,7 +291,7 @@ class MirroredModel(keras.Model):
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._check_wrapped()
         if not self._model.built:
-            self._maybe_symbolic_build(data_batch=keras_hooks.first_batch(x, batch_size))
+            self._builder.build(data_batch=keras_hooks.first_batch(x, batch_size))
         if not self.is_chief and verbose == "auto":
             verbose = 0
         with self._reducer.job.failures():
@@ -472,36 +384,3 @@ class MirroredModel(keras.Model):
                 "this kmirror model was unwrapped: its model is a single-device Keras model again. "
                 "Use that model, or kmirror.wrap(model) it again to train on the replicas."
             )
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _symbolic(data_batch):
-    """A batch for Keras' symbolic build: tensors as they are, a dataset's specs as KerasTensors."""
-    return tf.nest.map_structure(
-        lambda t: keras.KerasTensor(t.shape, dtype=t.dtype) if isinstance(t, tf.TensorSpec) else t,
-        data_batch,
-    )
-
-
-def _layers(layer) -> list:
-    """Every layer inside `layer`, nested models included."""
-    found = []
-    for inner in getattr(layer, "layers", []):
-        found += [inner, *_layers(inner)]
-    return found
-
-
-def _has_batch_norm(model: keras.Model) -> bool:
-    return any(isinstance(layer, keras.layers.BatchNormalization) for layer in _layers(model))
-
-
-def _fresh(metrics):
-    """Copies of the user's metric objects (with their names): this model's logs never share
-    the state of the user's model's metrics."""
-
-    def copy(metric):
-        if isinstance(metric, keras.metrics.Metric):
-            return type(metric).from_config(metric.get_config())
-        return metric
-
-    return None if metrics is None else tf.nest.map_structure(copy, metrics)

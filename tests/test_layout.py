@@ -25,7 +25,7 @@ LAYERS = [
     ["mirroring", "data", "py_datasets", "feeding", "placement", "logged", "step", "own_step"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["callbacks", "callbacks.backup", "callbacks.checkpoint", "callbacks.tensorboard"]
-    + ["inputs", "resume", "fitting", "chief_state"],
+    + ["inputs", "resume", "fitting", "chief_state", "building", "compiling"],
     # The model.
     ["model"],
     # What users call.

@@ -3,6 +3,7 @@ they are; deep models train 2 epochs as on one device (float64: tests/real_model
 the keras.io transfer-learning flow trains as on one device. The multi-process reducers run a deep
 model and the flow in tests/test_horovod.py and tests/test_multi_worker.py."""
 
+import keras
 import numpy as np
 import pytest
 from conftest import cpus
@@ -20,6 +21,12 @@ from real_models import (
 
 import kmirror
 from kmirror import mirroring, tf_hooks
+
+
+def test_the_families_are_every_family_keras_applications_has():
+    models = [getattr(keras.applications, name) for name in dir(keras.applications)]
+    families = {model.__module__.rsplit(".", 1)[-1] for model in models if callable(model)}
+    assert families == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

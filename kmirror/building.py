@@ -1,0 +1,104 @@
+"""Building a wrapped model's parts before its first step: the user's model, its compiled loss,
+its optimizers and the logs' metrics.
+
+Keras builds a model inside a strategy's scope from one batch (`fit`, `evaluate` and `predict`
+call `Model._maybe_symbolic_build`); a wrapped model builds the user's model in the replicas'
+scope from a global batch, so that uneven batches never reach the build, and its new variables
+are mirrored from the start. A dataset's element spec builds it without drawing a batch.
+
+Example:
+
+```python
+builder = Builder(wrapped, model, reducer, mirror, own_training=False, built=chief.changed)
+builder.build(data_batch=(x[:32], y[:32]))
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from kmirror import keras_hooks, mirroring, own_step
+from kmirror import rows as rows_lib
+from kmirror.reducers.base import Reducer
+
+__all__ = ["Builder", "every_layer"]
+
+
+class Builder:
+    """Builds `model` (the user's), and what `wrapped` (its `MirroredModel`) logs with, once."""
+
+    def __init__(
+        self,
+        wrapped: keras.Model,
+        model: keras.Model,
+        reducer: Reducer,
+        mirror: mirroring.Mirror,
+        own_training: bool,
+        built: Callable[[], None],
+    ) -> None:
+        self._wrapped, self._model, self._reducer = wrapped, model, reducer
+        self._mirror, self._own_training, self._built = mirror, own_training, built
+
+    def build(self, iterator=None, data_batch=None) -> None:
+        """Builds what is not built yet, from `data_batch` or the first batch of `iterator`
+        (Keras' epoch iterator); then calls `built`."""
+        model = self._model
+        if self._own_training:  # a GAN or VAE holding built sub-models has no call() of its own
+            model_built = all(layer.built for layer in every_layer(model))
+        else:
+            model_built = model.built
+        loss = keras_hooks.compiled_loss(model)
+        loss_built = loss is None or loss.built
+        optimizers_built = all(o.built for o in mirroring.optimizers(model))
+        metrics = None if self._own_training else keras_hooks.compiled_metrics(self._wrapped)
+        if model_built and loss_built and optimizers_built and (metrics is None or metrics.built):
+            return
+        if data_batch is None:
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        data_batch, _ = rows_lib.unpack(data_batch)
+        if not (model_built and loss_built):
+            for optimizer in mirroring.optimizers(model):
+                self._mirror.train(optimizer)  # Keras' build also builds the optimizer
+            with self._mirror.scope():
+                keras_hooks.symbolic_build(model, _symbolic(data_batch))
+        if self._own_training:
+            own_step.build_optimizers(model, self._reducer, data_batch)
+        elif model.compiled:
+            self._mirror.build_optimizer(model.optimizer, model.trainable_variables)
+        if metrics is not None and not metrics.built:
+            # The logs' metrics are updated outside the replicas, from their summed states.
+            keras_hooks.symbolic_build(self._wrapped, _symbolic(data_batch))
+        self._mirror.mirror(model)
+        self._built()
+
+    def from_spec(self, x) -> None:
+        """Builds from a dataset's element spec, drawing no batch from it: a batch drawn before
+        training would advance a seeded shuffle, and the epochs would no longer be one device's."""
+        if not isinstance(x, tf.data.Dataset):
+            return
+        spec, _ = rows_lib.unpack(x.element_spec)
+        leaves = tf.nest.flatten(spec)
+        if all(isinstance(s, tf.TensorSpec) and s.shape.rank is not None for s in leaves):
+            self.build(data_batch=spec)
+
+
+def every_layer(layer) -> list:
+    """Every layer inside `layer`, nested models included."""
+    found = []
+    for inner in getattr(layer, "layers", []):
+        found += [inner, *every_layer(inner)]
+    return found
+
+
+def _symbolic(data_batch):
+    """A batch for Keras' symbolic build: tensors as they are, a dataset's specs as KerasTensors."""
+    return tf.nest.map_structure(
+        lambda t: keras.KerasTensor(t.shape, dtype=t.dtype) if isinstance(t, tf.TensorSpec) else t,
+        data_batch,
+    )
