@@ -33,7 +33,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks, metric_states, mirroring, placement
+from kmirror import keras_hooks, metric_states, mirroring, placement, sparse_gradients
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -93,8 +93,9 @@ def _reducing_apply(optimizer, grads, trainable_variables=None):
 
         tf.distribute.get_replica_context().merge_call(build)
     parts = [None if g is None else _part(g, rows) for g in grads]
+    sent, lookups = sparse_gradients.apart(parts, sparse_gradients.shared_lookups(parts, rows.data))
     try:
-        summed = rows.reduce_gradients(parts)
+        summed = sparse_gradients.together(rows.reduce_gradients(sent), lookups)
     except RuntimeError as error:
         if "merge_call" not in str(error):
             raise
@@ -207,6 +208,7 @@ def _run(
             reduce_gradients=reducer.reduce_in_replica,
             all_gather=reducer.all_gather,
             variable_scope=reducer.scope,
+            data=rows_data,
         )
         with keras_hooks.replica(rows):
             return method(rows_data)

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import errors, keras_hooks
+from kmirror import errors, keras_hooks, sparse_gradients
 from kmirror.logged import Logged, Outcome
 from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
@@ -95,13 +95,20 @@ def train(
     variables = model.trainable_variables
     optimizer = model.optimizer
 
+    # Which gradients are of lookups shared by the rows (`kmirror.sparse_gradients`): decided
+    # where the gradients are traced, the same for every replica.
+    shared = []
+
     def gradients(x, y, sample_weight, start, total):
         rows = _rows(reducer, x, start, total, global_statistics, jit_compile)
         with keras_hooks.replica(rows), tf.GradientTape() as tape:
             y_pred = _call(model, x, training=True)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=True)
             scaled = optimizer.scale_loss(loss)
-        return loss, (y_pred, keras_hooks.masks_of(y_pred)), tape.gradient(scaled, variables)
+        grads = tape.gradient(scaled, variables)
+        if not optimizer.gradient_accumulation_steps:  # accumulated gradients are summed dense
+            shared[:] = sparse_gradients.shared_lookups(grads, (x, y, sample_weight))
+        return loss, (y_pred, keras_hooks.masks_of(y_pred)), grads
 
     if jit_compile:
         gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True)
@@ -110,19 +117,20 @@ def train(
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
         loss, outputs, grads = gradients(x, y, sample_weight, start, total)
-        return logged.local(loss, y, outputs, sample_weight, total), grads
+        grads, lookups = sparse_gradients.apart(grads, shared or [False] * len(grads))
+        return logged.local(loss, y, outputs, sample_weight, total), (grads, lookups)
 
-    local, grads = reducer.run(local_step, args=(shards,))
+    local, (grads, lookups) = reducer.run(local_step, args=(shards,))
     outcome = logged.combine(reducer, local)
     # The global loss is the same in every process: all stop at the same step, before updating.
     finite = tf.debugging.check_numerics(outcome.loss, errors.NON_FINITE)
     grads = _reduce(reducer, optimizer, grads, variables)
 
-    def apply(grads):
+    def apply(grads, lookups):
         with tf.control_dependencies([finite]):
-            optimizer.apply(grads, variables)
+            optimizer.apply(sparse_gradients.together(grads, lookups), variables)
 
-    reducer.run(apply, args=(grads,))
+    reducer.run(apply, args=(grads, lookups))
     return outcome._replace(loss=finite)
 
 

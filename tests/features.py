@@ -11,7 +11,15 @@ import keras
 import numpy as np
 from keras import ops
 from models import BATCH, N_SAMPLES, dense_data, multi_io_data, multi_io_model, optimizer
-from own_steps import custom_layer, gan, guide_step, images, subclassed_without_config, vae
+from own_steps import (
+    GuideStep,
+    custom_layer,
+    gan,
+    guide_step,
+    images,
+    subclassed_without_config,
+    vae,
+)
 
 EPOCHS = 3
 
@@ -121,6 +129,51 @@ def _masked():
     return model
 
 
+class TokenAndPositionEmbedding(keras.layers.Layer):
+    """keras.io's text classification with a transformer: a token embedding looked up per row,
+    and a position embedding looked up once per batch (`arange(maxlen)`, shared by the rows)."""
+
+    def __init__(self, maxlen, vocabulary, width, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocabulary, width)
+        self.positions = keras.layers.Embedding(maxlen, width)
+
+    def call(self, x):
+        maxlen = ops.shape(x)[-1]
+        return self.tokens(x) + self.positions(ops.arange(start=0, stop=maxlen, step=1))
+
+
+def _transformer(model_class=keras.Model, optimizer_options=None, **compile_args):
+    """keras.io's transformer text classifier, small: embeddings, a transformer block
+    (MultiHeadAttention, Dropout, LayerNormalization), pooling; Adam."""
+    keras.utils.set_random_seed(1)
+    width = 8
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    x = TokenAndPositionEmbedding(LENGTH, VOCABULARY, width)(inputs)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=width)(x, x)
+    x = keras.layers.LayerNormalization(epsilon=1e-6)(x + keras.layers.Dropout(0.1)(attended))
+    feed = keras.layers.Dense(width)(keras.layers.Dense(16, activation="relu")(x))
+    x = keras.layers.LayerNormalization(epsilon=1e-6)(x + keras.layers.Dropout(0.1)(feed))
+    x = keras.layers.Dropout(0.1)(keras.layers.GlobalAveragePooling1D()(x))
+    model = model_class(inputs, keras.layers.Dense(3)(x))
+    chosen = optimizer("adam")
+    if optimizer_options:
+        chosen = type(chosen).from_config({**chosen.get_config(), **optimizer_options})
+    model.compile(
+        optimizer=chosen,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_args,
+    )
+    return model
+
+
+def _sequence_data():
+    """Token sequences and a label per sequence."""
+    tokens, labels, _ = _token_data()
+    return tokens, labels[:, 0], None
+
+
 def _binary_data():
     x, y = dense_data()
     return x, (y == 1).astype("float32")[:, None], None
@@ -204,6 +257,7 @@ FEATURES = {
     ),
     "own_compute_loss": Feature(_own_loss, _weighted_data),
     "masked_loss": Feature(_masked, _token_data),
+    "transformer": Feature(_transformer, _sequence_data, tolerance=1e-4),
     "accumulation": Feature(
         lambda: dense("adam", optimizer_options={"gradient_accumulation_steps": 2}),
         _plain_data,
@@ -244,6 +298,19 @@ PREFETCHED = [
 
 #: The features the multi-process jobs run (Horovod ranks, ring workers): all of them.
 MULTI_PROCESS = sorted(FEATURES)
+
+#: The transformer's gradients summed where else kmirror sums them: in the guide's own
+#: train_step (at its apply_gradients), with each replica's pass compiled with XLA, and with
+#: gradient accumulation (summed dense, as Keras' optimizer accumulates them).
+TRANSFORMER_VARIANTS = {
+    "own_train_step": Feature(lambda: _transformer(GuideStep), _sequence_data, tolerance=1e-4),
+    "xla": Feature(lambda: _transformer(jit_compile=True), _sequence_data, tolerance=1e-4),
+    "accumulation": Feature(
+        lambda: _transformer(optimizer_options={"gradient_accumulation_steps": 2}),
+        _sequence_data,
+        tolerance=1e-4,
+    ),
+}
 
 
 def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from features import EPOCHS, FEATURES, PREFETCHED, dense, fit
+from features import EPOCHS, FEATURES, PREFETCHED, TRANSFORMER_VARIANTS, dense, fit
 from models import assert_same_history, max_weight_difference
 
 import kmirror
+from kmirror import sparse_gradients
 
 
 @functools.cache
@@ -128,3 +129,28 @@ def test_xla_with_global_batch_norm_statistics_warns_and_stays_exact():
     assert model.replica_jit_compile is False
     fit(model, FEATURES["batch_norm"])
     assert max_weight_difference(expected, model) < FEATURES["batch_norm"].tolerance
+
+
+@pytest.mark.parametrize("variant", sorted(TRANSFORMER_VARIANTS))
+def test_embedding_lookups_sum_as_one_device_wherever_gradients_are_summed(variant):
+    """The transformer (a token lookup per row, a position lookup shared by the rows, Adam) in
+    a model's own train_step, with XLA, and with gradient accumulation, on 3 replicas."""
+    feature = TRANSFORMER_VARIANTS[variant]
+    expected = feature.build()
+    expected_history = fit(expected, feature)
+    model = kmirror.wrap(feature.build(), reducer="hierarchical_copy", devices=cpus(3))
+    history = fit(model, feature)
+    assert max_weight_difference(expected, model) < feature.tolerance
+    assert_same_history(expected_history, history, rtol=1e-4)
+
+
+def test_embedding_lookups_in_eager_mode_are_named_in_a_warning(monkeypatch):
+    """In eager mode there is no graph to tell a shared lookup from a lookup per row."""
+    monkeypatch.setattr(sparse_gradients, "_warned", False)
+    feature = FEATURES["transformer"]
+    model = feature.build()
+    model.compile(optimizer="adam", loss=model.loss, run_eagerly=True)
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    x, y, _ = feature.data()
+    with pytest.warns(UserWarning, match="cannot tell an embedding lookup shared by the rows"):
+        wrapped.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)

@@ -17,7 +17,8 @@ LAYERS = [
     + ["keras_hooks.optimizers", "keras_hooks.storage"]
     + ["rendezvous", "supervisor"],
     # The processes of a job, metric states, compression.
-    ["cluster", "metric_states", "rows", "reducers.compression", "reducers.packing"]
+    ["cluster", "metric_states", "rows", "sparse_gradients", "reducers.compression"]
+    + ["reducers.packing"]
     + ["reducers.job", "reducers.former"],
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],

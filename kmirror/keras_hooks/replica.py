@@ -15,6 +15,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import tensorflow as tf
 from keras.src import ops
@@ -41,6 +42,7 @@ class Rows:
     all_gather: Callable[[tf.Tensor], tf.Tensor] | None = None
     #: The scope variables made during the step (an optimizer's, on its first update) need.
     variable_scope: Callable[[], contextlib.AbstractContextManager] | None = None
+    data: Any = None  # in a model's own step: the replica's rows (inputs, targets, weights)
 
     def share(self, dtype) -> tf.Tensor:
         """This replica's fraction of the global batch's rows."""
