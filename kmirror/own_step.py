@@ -33,7 +33,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import keras_hooks, metric_states, mirroring, placement, sparse_gradients
+from kmirror import draws, keras_hooks, metric_states, mirroring, placement, sparse_gradients
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -213,7 +213,7 @@ def _run(
         with keras_hooks.replica(rows):
             return method(rows_data)
 
-    with _hooked(model):
+    with _hooked(model), draws.watched():
         return reducer.run(local, args=(shards,))
 
 

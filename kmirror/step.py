@@ -28,7 +28,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import errors, keras_hooks, sparse_gradients
+from kmirror import draws, errors, keras_hooks, sparse_gradients
 from kmirror.logged import Logged, Outcome
 from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
@@ -120,7 +120,8 @@ def train(
         grads, lookups = sparse_gradients.apart(grads, shared or [False] * len(grads))
         return logged.local(loss, y, outputs, sample_weight, total), (grads, lookups)
 
-    local, (grads, lookups) = reducer.run(local_step, args=(shards,))
+    with draws.watched():
+        local, (grads, lookups) = reducer.run(local_step, args=(shards,))
     outcome = logged.combine(reducer, local)
     # The global loss is the same in every process: all stop at the same step, before updating.
     finite = tf.debugging.check_numerics(outcome.loss, errors.NON_FINITE)

@@ -155,6 +155,7 @@ class GAN(keras.Model):
         generated = self.generator(latent)
         combined = ops.concatenate([generated, real], axis=0)
         labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
+        labels += 0.05 * keras.random.uniform(ops.shape(labels), seed=self.seed_generator)
         with tf.GradientTape() as tape:
             d_loss = self.loss_fn(labels, self.discriminator(combined))
         grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
@@ -172,7 +173,7 @@ class GAN(keras.Model):
         return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
 
 
-def gan():
+def gan(model_class=None):
     keras.utils.set_random_seed(1)
     discriminator = keras.Sequential(
         [keras.Input((PIXELS,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
@@ -184,7 +185,7 @@ def gan():
             keras.layers.Dense(PIXELS),
         ]
     )
-    model = GAN(discriminator, generator)
+    model = (model_class or GAN)(discriminator, generator)
     model.compile(
         d_optimizer=keras.optimizers.Adam(0.01),
         g_optimizer=keras.optimizers.SGD(0.05, momentum=0.9),

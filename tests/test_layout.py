@@ -17,7 +17,7 @@ LAYERS = [
     + ["keras_hooks.optimizers", "keras_hooks.storage"]
     + ["rendezvous", "supervisor"],
     # The processes of a job, metric states, compression.
-    ["cluster", "metric_states", "rows", "sparse_gradients", "reducers.compression"]
+    ["cluster", "metric_states", "rows", "sparse_gradients", "draws", "reducers.compression"]
     + ["reducers.packing"]
     + ["reducers.job", "reducers.former"],
     # Reducers: how values cross replicas and processes.

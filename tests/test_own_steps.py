@@ -2,6 +2,8 @@
 are (their training is in the exactness matrix, tests/features.py); here: their own test_step and
 predict_step, and leaving kmirror with them."""
 
+from unittest import mock
+
 import keras
 import numpy as np
 import pytest
@@ -10,9 +12,10 @@ from conftest import cpus
 from features import FEATURES, fit
 from keras import ops
 from models import assert_same_history, dense_data
-from own_steps import gan, guide_step, images, own_evaluation
+from own_steps import GAN, gan, guide_step, images, own_evaluation
 
 import kmirror
+from kmirror import draws
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -165,3 +168,41 @@ def test_save_does_what_keras_does_with_the_original_model(tmp_path):
         original = outcome(build(), tmp_path / "original.keras")
         wrapped = kmirror.wrap(build(), reducer="hierarchical_copy", devices=cpus(2))
         assert outcome(wrapped, tmp_path / "wrapped.keras") == original
+
+
+class TensorFlowLabelNoise(GAN):
+    """keras.io's DCGAN: its label noise drawn with `tf.random.uniform`, which no replica can
+    draw as one device."""
+
+    def train_step(self, real):
+        def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+            return tf.random.uniform(shape, minval, maxval, dtype=dtype or "float32")
+
+        with mock.patch.object(keras.random, "uniform", uniform):
+            return super().train_step(real)
+
+
+class NoisyLayer(keras.layers.Layer):
+    """Noise drawn with `tf.random.normal` in a layer's call."""
+
+    def call(self, x, training=False):
+        return x + 0.01 * tf.random.normal(tf.shape(x)) if training else x
+
+
+def noisy_dense():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), NoisyLayer(), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
+@pytest.mark.parametrize("where", ["own train_step", "layer"])
+def test_a_tf_random_draw_in_the_step_is_named_in_a_warning(where, monkeypatch):
+    monkeypatch.setattr(draws, "_warned", False)
+    if where == "layer":
+        model, (x, y) = noisy_dense(), dense_data()
+    else:
+        model, (x, y, _) = gan(TensorFlowLabelNoise), images()
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    with pytest.warns(UserWarning, match="RandomUniform|RandomStandardNormal"):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)

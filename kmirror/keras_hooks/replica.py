@@ -1,12 +1,10 @@
 """While a kmirror replica runs: the functions of `keras.src` that decide its part of a step.
 
-A replica computes its rows of the global batch. For its part to add up to the single-device step,
-what Keras decides per call is decided over the GLOBAL batch instead: a loss' divisor (row count,
-sum of sample weights, unmasked entries) is the global one, and Keras' own division by the replica
-count is undone; BatchNormalization's statistics are the global batch's; a random draw is the
-replica's rows of the draw one device would make for the whole batch. `replica(rows)` installs
-these replacements (once) and makes them act for the calls of this thread; elsewhere they behave
-exactly as Keras' own.
+For a replica's part to add up to the single-device step, what Keras decides per call is decided
+over the GLOBAL batch: a loss' divisor (row count, sum of sample weights, unmasked entries) is the
+global one, and Keras' division by the replica count is undone; BatchNormalization's statistics
+are the global batch's; a random draw is the replica's rows of one device's draw. `replica(rows)`
+installs these (once) and makes them act for this thread's calls; elsewhere they are Keras' own.
 """
 
 from __future__ import annotations
@@ -52,20 +50,16 @@ class Rows:
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
 
 
-def _current() -> Rows | None:
-    return getattr(_state, "rows", None)
-
-
 def current() -> Rows | None:
     """The rows of the replica running on this thread, or None outside a replica."""
-    return _current()
+    return getattr(_state, "rows", None)
 
 
 @contextlib.contextmanager
 def replica(rows: Rows) -> Iterator[None]:
     """Within this block (on this thread) Keras computes replica `rows`' part of the step."""
     install()
-    previous, _state.rows = _current(), rows
+    previous, _state.rows = current(), rows
     try:
         yield
     finally:
@@ -89,7 +83,7 @@ def _reduce_weighted_values(
     multiplies every loss by that share, which makes a mean over a replica's rows (a user's own
     `ops.mean`, a regulariser) exact too. Values are those of Keras' `reduce_weighted_values`.
     """
-    rows = _current()
+    rows = current()
     reduction = keras_loss.standardize_reduction(reduction)
     if rows is None or reduction == "none" or tuple(values.shape) == ():
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
@@ -124,14 +118,14 @@ def _reduce_weighted_values(
 
 def _scale_loss_for_distribution(value):
     # kmirror weighs each replica's loss by its share of the rows; Keras' 1/replicas is undone.
-    if _current() is not None:
+    if current() is not None:
         return value
     return _ORIGINAL["scale_loss_for_distribution"](value)
 
 
 def _unscale_loss_for_distribution(value):
     # The replica's loss is its mean, not 1/replicas of it: nothing to unscale.
-    if _current() is not None:
+    if current() is not None:
         return value
     return _ORIGINAL["unscale_loss_for_distribution"](value)
 
@@ -140,7 +134,7 @@ def _unscale_loss_for_distribution(value):
 def _compute_moments_sync(x, axes, keepdims):
     """Mean and variance of the global batch, computed as `tf.nn.moments` computes them on one
     device (mean first, then the mean squared difference), with sums over every replica."""
-    rows = _current()
+    rows = current()
     if rows is None:
         return _ORIGINAL["_compute_moments_sync"](x, axes, keepdims)
     count = _global_count(x, axes, rows)
@@ -167,7 +161,7 @@ def _global_count(x, axes, rows: Rows) -> tf.Tensor:
 
 
 def _batch_norm_moments(layer, inputs, mask):
-    rows = _current()
+    rows = current()
     if rows is None or mask is not None or not rows.global_statistics:
         return _ORIGINAL["_moments"](layer, inputs, mask)
     return ops.moments(inputs, axes=layer._reduction_axes, synchronized=True)
@@ -175,30 +169,34 @@ def _batch_norm_moments(layer, inputs, mask):
 
 # -- random draws ----------------------------------------------------------------------------------
 def _global_shape(shape, rows: Rows):
-    """(shape of the draw one device makes, first row of this replica in it) when the draw's first
-    dimension is this replica's rows; else the draw as it is."""
+    """(the shape of one device's draw, the rows of it this replica takes) for a draw whose first
+    dimension is this replica's rows, or k times them as traced (k batches joined, as a GAN's
+    generated and real images: one device's draw over k global batches); else (shape, None)."""
     shape = tf.convert_to_tensor(shape)
     if shape.shape.rank != 1 or shape.shape[0] == 0:
         return shape, None
-    first = tf.cast(shape[0], tf.int64)
-    batch = tf.equal(first, tf.cast(rows.count, tf.int64))
-    wide = tf.where(batch, tf.cast(rows.total, tf.int64), first)
-    start = tf.where(batch, tf.cast(rows.start, tf.int64), tf.constant(0, tf.int64))
-    return tf.concat([tf.cast([wide], shape.dtype), shape[1:]], 0), (start, first)
+    first, count = tf.cast(shape[0], tf.int64), tf.cast(rows.count, tf.int64)
+    blocks = tf.where(tf.equal(first, count), tf.constant(1, tf.int64), 0)
+    if not tf.executing_eagerly() and tf.get_static_value(shape[0]) is None:
+        some = tf.maximum(count, 1)
+        blocks = tf.where((count > 0) & tf.equal(first % some, 0), first // some, blocks)
+    total, start, ours = tf.cast(rows.total, tf.int64), tf.cast(rows.start, tf.int64), blocks > 0
+    # `count` rows from `start` in each of `blocks` batches of `total` rows; else every row.
+    taken = tf.range(tf.where(ours, blocks, 1))[:, None] * tf.where(ours, total, 0)
+    taken = taken + tf.where(ours, start, 0) + tf.range(tf.where(ours, count, first))[None, :]
+    wide = tf.where(ours, blocks * total, first)
+    return tf.concat([tf.cast([wide], shape.dtype), shape[1:]], 0), tf.reshape(taken, [-1])
 
 
-def _rows_of(draw, place):
-    if place is None:
-        return draw
-    start, count = place
-    return draw[start : start + count]
+def _rows_of(draw, taken):  # the rows `_global_shape` says this replica takes
+    return draw if taken is None else tf.gather(draw, taken)
 
 
 def _drawing(name: str):
     original = _ORIGINAL[name]
 
     def draw(shape, *args, **kwargs):
-        rows = _current()
+        rows = current()
         if rows is None:
             return original(shape, *args, **kwargs)
         wide, place = _global_shape(shape, rows)
@@ -209,7 +207,7 @@ def _drawing(name: str):
 
 
 def _dropout(inputs, rate, noise_shape=None, seed=None):
-    rows = _current()
+    rows = current()
     if rows is None:
         return _ORIGINAL["dropout"](inputs, rate, noise_shape=noise_shape, seed=seed)
     inputs = tf.convert_to_tensor(inputs)
