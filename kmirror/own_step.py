@@ -93,7 +93,10 @@ def _reducing_apply(optimizer, grads, trainable_variables=None):
 
         tf.distribute.get_replica_context().merge_call(build)
     parts = [None if g is None else _part(g, rows) for g in grads]
-    sent, lookups = sparse_gradients.apart(parts, sparse_gradients.shared_lookups(parts, rows.data))
+    if trainable_variables is not None:
+        trainable_variables = list(trainable_variables)
+    shared = sparse_gradients.shared_lookups(parts, rows.data, trainable_variables)
+    sent, lookups = sparse_gradients.apart(parts, shared)
     try:
         summed = sparse_gradients.together(rows.reduce_gradients(sent), lookups)
     except RuntimeError as error:

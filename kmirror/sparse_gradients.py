@@ -39,18 +39,35 @@ _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "VariableShape"})
 _warned = False
 
 
-def shared_lookups(gradients: list, rows: Any) -> list[bool]:
-    """For each gradient: whether it is the gradient of a lookup shared by the rows `rows` (a
-    nest of the replica's tensors: the step's inputs, targets and weights)."""
+def shared_lookups(gradients: list, rows: Any, variables: list | None = None) -> list[bool]:
+    """For each gradient (of each of `variables`): whether it is the gradient of a lookup shared
+    by the rows `rows` (a nest of the replica's tensors: the step's inputs, targets and weights).
+    An embedding looked up both ways in one step is summed as lookups per row, with a warning."""
     if not any(isinstance(g, tf.IndexedSlices) for g in gradients):
         return [False] * len(gradients)
     if tf.executing_eagerly():
         _warn_eager()
         return [False] * len(gradients)
     sources = {t.ref() for t in tf.nest.flatten(rows) if isinstance(t, tf.Tensor)}
-    return [
-        isinstance(g, tf.IndexedSlices) and not _depends_on(g.indices, sources) for g in gradients
-    ]
+    found = []
+    for gradient, variable in zip(gradients, variables or [None] * len(gradients)):
+        if not isinstance(gradient, tf.IndexedSlices):
+            found.append(False)
+            continue
+        # A variable looked up several times has its slices joined (ConcatV2), a part per lookup.
+        indices = gradient.indices
+        parts = indices.op.inputs[:-1] if indices.op.type == "ConcatV2" else [indices]
+        shared = [not _depends_on(part, sources) for part in parts]
+        if any(shared) and not all(shared):
+            warnings.warn(
+                f"kmirror: {getattr(variable, 'path', 'an embedding')} is looked up both per row "
+                "and once for all rows in one step; its gradient is summed as lookups per row, "
+                "which is not the single-device gradient. Use a separate embedding for each kind "
+                "of lookup.",
+                stacklevel=2,
+            )
+        found.append(all(shared))
+    return found
 
 
 def apart(gradients: list, shared: list[bool]) -> tuple[list, list]:

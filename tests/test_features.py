@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from features import EPOCHS, FEATURES, PREFETCHED, TRANSFORMER_VARIANTS, dense, fit
+from features import (
+    EPOCHS,
+    FEATURES,
+    LENGTH,
+    PREFETCHED,
+    TRANSFORMER_VARIANTS,
+    VOCABULARY,
+    dense,
+    fit,
+)
 from models import assert_same_history, max_weight_difference
 
 import kmirror
@@ -154,3 +163,26 @@ def test_embedding_lookups_in_eager_mode_are_named_in_a_warning(monkeypatch):
     x, y, _ = feature.data()
     with pytest.warns(UserWarning, match="cannot tell an embedding lookup shared by the rows"):
         wrapped.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
+
+
+class SharedTable(keras.layers.Layer):
+    """One embedding looked up per row (tokens) and once for all rows (positions)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = keras.layers.Embedding(VOCABULARY, 4)
+
+    def call(self, x):
+        return self.table(x) + self.table(keras.ops.arange(x.shape[-1]))
+
+
+def test_an_embedding_looked_up_both_ways_is_named_in_a_warning():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((LENGTH,), dtype="int32"), SharedTable(), keras.layers.Dense(3)]
+    )
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    x, y, _ = FEATURES["masked_loss"].data()
+    with pytest.warns(UserWarning, match="looked up both per row and once for all rows"):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
