@@ -82,19 +82,17 @@ def _reducing_apply(optimizer, grads, trainable_variables=None):
     rows = keras_hooks.current()
     if rows is None or rows.reduce_gradients is None:
         return apply(optimizer, grads, trainable_variables)
+    if trainable_variables is not None:  # read once: it may be an iterator
+        trainable_variables = list(trainable_variables)
     if not optimizer.built:
         # Keras builds an optimizer on its first update. Its variables are made outside the
         # step's graph, mirrored like the model's: once, in cross-replica context.
-        variables = list(trainable_variables)
-
         def build(_):
             with tf.init_scope(), rows.variable_scope():
-                optimizer.build(variables)
+                optimizer.build(trainable_variables)
 
         tf.distribute.get_replica_context().merge_call(build)
     parts = [None if g is None else _part(g, rows) for g in grads]
-    if trainable_variables is not None:
-        trainable_variables = list(trainable_variables)
     shared = sparse_gradients.shared_lookups(parts, rows.data, trainable_variables)
     sent, lookups = sparse_gradients.apart(parts, shared)
     try:

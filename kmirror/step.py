@@ -107,8 +107,7 @@ def train(
             scaled = optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, variables)
         if not optimizer.gradient_accumulation_steps:  # accumulated gradients are summed dense
-            rows_data = (x, y, sample_weight)
-            shared[:] = sparse_gradients.shared_lookups(grads, rows_data, variables)
+            shared[:] = sparse_gradients.shared_lookups(grads, (x, y, sample_weight), variables)
         return loss, (y_pred, keras_hooks.masks_of(y_pred)), grads
 
     if jit_compile:
