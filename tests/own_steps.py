@@ -147,6 +147,10 @@ class GAN(keras.Model):
     def metrics(self):
         return [self.d_loss_metric, self.g_loss_metric]
 
+    def label_noise(self, shape):
+        """The guide's noise on the labels, drawn with the model's seed generator."""
+        return keras.random.uniform(shape, seed=self.seed_generator)
+
     def train_step(self, real):
         if isinstance(real, tuple):
             real = real[0]
@@ -155,7 +159,7 @@ class GAN(keras.Model):
         generated = self.generator(latent)
         combined = ops.concatenate([generated, real], axis=0)
         labels = ops.concatenate([ops.ones((batch_size, 1)), ops.zeros((batch_size, 1))], axis=0)
-        labels += 0.05 * keras.random.uniform(ops.shape(labels), seed=self.seed_generator)
+        labels += 0.05 * self.label_noise(ops.shape(labels))
         with tf.GradientTape() as tape:
             d_loss = self.loss_fn(labels, self.discriminator(combined))
         grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
