@@ -29,7 +29,7 @@ COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 COMPAT_TESTS := tests/test_equivalence.py tests/test_keras_api.py tests/test_leaving.py \
 	tests/test_bad_input.py tests/test_features.py tests/test_metric_states.py tests/test_backup.py \
-	tests/test_in_place.py
+	tests/test_in_place.py tests/test_layer_state.py
 
 $(COMPAT_STAMP): pyproject.toml constraints-compat.txt
 	python3 -m venv $(COMPAT_VENV)

@@ -16,12 +16,27 @@ except kmirror.errors.PeerLost as lost:     # another process of the job stopped
 
 from __future__ import annotations
 
-import keras
+import contextlib
+import re
 
-__all__ = ["PeerLost", "NonFiniteLoss", "reason", "NonFiniteWatch", "NON_FINITE"]
+import keras
+import tensorflow as tf
+
+__all__ = [
+    "PeerLost",
+    "NonFiniteLoss",
+    "reason",
+    "NonFiniteWatch",
+    "NON_FINITE",
+    "DIVERGED",
+    "state_checked",
+]
 
 #: The marker of the training step's check that the global loss is finite.
 NON_FINITE = "kmirror: the global loss is not finite"
+#: The marker of a step's check that the replicas wrote a weight declared
+#: `aggregation="none"` alike (`kmirror.layer_state`).
+DIVERGED = "kmirror: the replicas wrote different values to the layer weight"
 
 
 class PeerLost(RuntimeError):
@@ -57,6 +72,20 @@ class NonFiniteWatch(keras.callbacks.Callback):
             "checkpoint. The model holds the weights of the last step before this one (this "
             "step updated nothing)."
         )
+
+
+@contextlib.contextmanager
+def state_checked():
+    """The context a step runs in: a layer weight the replicas wrote differently raises a
+    ValueError that names the weight and the fix (the step's check fails in TensorFlow)."""
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        found = re.search(re.escape(DIVERGED) + r"[^\]\n]*", str(error))
+        if found is None:
+            raise
+        # TensorFlow prints the check's message as a string literal: its quotes come escaped.
+        raise ValueError(found.group(0).replace("\\'", "'")) from None
 
 
 def _steps(model) -> int:

@@ -56,7 +56,7 @@ class Fit:
     def running(self):
         """The context Keras' loop runs in: a non-finite loss becomes `NonFiniteLoss`."""
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), errors.state_checked():
                 if self.draws_in_python:
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
                 yield

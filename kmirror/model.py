@@ -29,6 +29,7 @@ import tensorflow as tf
 from kmirror import (
     building,
     compiling,
+    errors,
     fitting,
     keras_hooks,
     logged,
@@ -286,7 +287,8 @@ class MirroredModel(keras.Model):
         with self._reducer.job.failures():
             method, chief = keras.Model.evaluate, self.is_chief
             arguments = inputs_lib.arguments_of(method, self, args, kwargs, chief)
-            return super().evaluate(**self._reading.for_evaluate(arguments))
+            with errors.state_checked():
+                return super().evaluate(**self._reading.for_evaluate(arguments))
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._check_wrapped()
@@ -294,7 +296,7 @@ class MirroredModel(keras.Model):
             self._builder.build(data_batch=keras_hooks.first_batch(x, batch_size))
         if not self.is_chief and verbose == "auto":
             verbose = 0
-        with self._reducer.job.failures():
+        with self._reducer.job.failures(), errors.state_checked():
             return super().predict(
                 x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
             )

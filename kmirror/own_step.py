@@ -34,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from kmirror import draws, keras_hooks, metric_states, mirroring, placement, sparse_gradients
+from kmirror.layer_state import LayerState
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -196,6 +197,8 @@ def _run(
     """`method(rows)` on every replica; the first local replica's result (all are equal).
     `data` is the global batch, or this process's rows of it at `place` (`placement.split`)."""
     shards = placement.split(reducer, data, place)
+    globalised = [v for metric in model.metrics for v in metric.variables]
+    state = LayerState(model, reducer, global_statistics, left=globalised)
 
     def local(shard):
         rows_data, start, total = shard
@@ -211,8 +214,16 @@ def _run(
             variable_scope=reducer.scope,
             data=rows_data,
         )
-        with keras_hooks.replica(rows):
-            return method(rows_data)
+        before = state.before()
+        with keras_hooks.replica(rows), state.recording():
+            result = method(rows_data)
+        checks = state.combine(before)
+        if not checks:
+            return result
+        with tf.control_dependencies(checks):
+            return tf.nest.map_structure(
+                lambda v: tf.identity(v) if isinstance(v, tf.Tensor) else v, result
+            )
 
     with _hooked(model), draws.watched():
         return reducer.run(local, args=(shards,))

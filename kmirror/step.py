@@ -23,12 +23,14 @@ once per global batch, exactly as on one device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from kmirror import draws, errors, keras_hooks, sparse_gradients
+from kmirror import accumulation, draws, errors, keras_hooks, sparse_gradients
+from kmirror.layer_state import LayerState
 from kmirror.logged import Logged, Outcome
 from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
@@ -113,10 +115,18 @@ def train(
     if jit_compile:
         gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True)
 
+    state = _layer_state(model, reducer, global_statistics)
+
     def local_step(local):
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
-        loss, outputs, grads = gradients(x, y, sample_weight, start, total)
+        before = state.before()
+        with state.recording():
+            loss, outputs, grads = gradients(x, y, sample_weight, start, total)
+        # The gradients are summed, and the weights updated, after the checks of the state.
+        checks = state.combine(before)
+        loss = _after(checks, loss)
+        grads = [None if g is None else _after(checks, g) for g in grads]
         grads, lookups = sparse_gradients.apart(grads, shared or [False] * len(grads))
         return logged.local(loss, y, outputs, sample_weight, total), (grads, lookups)
 
@@ -135,58 +145,31 @@ def train(
     return outcome._replace(loss=finite)
 
 
+def _layer_state(model: keras.Model, reducer: Reducer, global_statistics: bool) -> LayerState:
+    """The state the replicas write (`kmirror.layer_state`). The user's model's compiled loss
+    tracker and metrics are left: the logs come from the wrapped model's own (`kmirror.logged`),
+    and Keras resets them before it reads them (its per-output loss trackers are updated by the
+    loss in each replica)."""
+    loss = keras_hooks.compiled_loss(model)
+    compiled = [keras_hooks.loss_tracker(model), keras_hooks.compiled_metrics(model)]
+    compiled += getattr(loss, "metrics", [])
+    unread = [v for metric in compiled if metric is not None for v in metric.variables]
+    return LayerState(model, reducer, global_statistics, left=unread)
+
+
+def _after(checks: list, value):
+    """`value`, computed after `checks`."""
+    if not checks:
+        return value
+    with tf.control_dependencies(checks):
+        return tf.identity(value)
+
+
 def _reduce(reducer: Reducer, optimizer, grads: list, variables: list) -> list:
     """The summed gradients each replica's optimizer applies (the one reduction point)."""
     if not optimizer.gradient_accumulation_steps:
         return reducer.reduce_gradients(grads)
-    return _accumulated(reducer, optimizer, grads, variables)
-
-
-def _accumulated(reducer: Reducer, optimizer, grads: list, variables: list) -> list:
-    """Gradient accumulation with one reduction per update.
-
-    Keras' optimizer adds each micro-step's gradient to its accumulators and, every k-th step,
-    applies (gradient + accumulators) / k. Here the accumulators hold the replica's LOCAL sums; on
-    the update step the replica's accumulators are emptied and the optimizer is handed the sum
-    over replicas of (gradient + accumulators): the global accumulated gradient, reduced once.
-    """
-    update, accumulators = keras_hooks.accumulation(optimizer, variables)
-
-    def with_accumulators(grads):
-        dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        return [None if g is None else g + acc.value for g, acc in zip(dense, accumulators)]
-
-    local = reducer.run(with_accumulators, args=(grads,))
-    present = [i for i, g in enumerate(grads) if g is not None]
-
-    def summed():
-        reduced = reducer.reduce_gradients([local[i] for i in present])
-        return [reducer.local_values(g) for g in reduced]
-
-    def unsummed():
-        return [tuple(_zeros_beside(t) for t in reducer.local_values(local[i])) for i in present]
-
-    flat = tf.cond(update, summed, unsummed)
-    totals = [None] * len(grads)
-    for i, values in zip(present, flat):
-        totals[i] = reducer.from_local_values(values)
-
-    def choose(grads, totals):
-        chosen = []
-        for g, total, acc in zip(grads, totals, accumulators):
-            if g is None:
-                chosen.append(None)
-                continue
-            acc.assign(tf.where(update, tf.zeros_like(acc.value), acc.value))
-            chosen.append(tf.where(update, total, tf.convert_to_tensor(g)))
-        return chosen
-
-    return reducer.run(choose, args=(grads, totals))
-
-
-def _zeros_beside(tensor):
-    with tf.device(tensor.device):
-        return tf.zeros_like(tensor)
+    return accumulation.accumulated(reducer, optimizer, grads, variables)
 
 
 def evaluate(
@@ -201,13 +184,17 @@ def evaluate(
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     shards = split(reducer, (x, y, sample_weight), place)
 
+    state = _layer_state(model, reducer, global_statistics=False)
+
     def local_step(local):
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
         rows = _rows(reducer, x, start, total, global_statistics=False)
-        with keras_hooks.replica(rows):
+        before = state.before()
+        with keras_hooks.replica(rows), state.recording():
             y_pred = _call(model, x, training=False)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
+        loss = _after(state.combine(before), loss)
         outputs = (y_pred, keras_hooks.masks_of(y_pred))
         return logged.local(loss, y, outputs, sample_weight, total)
 
@@ -218,8 +205,15 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     """Predictions for a global batch, each replica computing its rows, gathered in row order."""
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
     shards = split(reducer, x)
-    y_pred = reducer.run(lambda local: _call(model, local[0], training=False), args=(shards,))
-    return reducer.concat(y_pred)
+    state = _layer_state(model, reducer, global_statistics=False)
+
+    def local_step(local):
+        before = state.before()
+        with state.recording():
+            y_pred = _call(model, local[0], training=False)
+        return tf.nest.map_structure(functools.partial(_after, state.combine(before)), y_pred)
+
+    return reducer.concat(reducer.run(local_step, args=(shards,)))
 
 
 def one_call_per_step(step_fn, count: int, run_eagerly: bool):

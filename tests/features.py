@@ -230,6 +230,95 @@ def _multi_io():
     return multi_io_model("adam")
 
 
+class RunningSum(keras.layers.Layer):
+    """State its call writes, one weight per declared aggregation: a running sum of its inputs
+    ("sum"), a count of its calls ("only_first_replica"), the calls counted with Keras' default
+    aggregation, which every replica writes alike ("none"), a decay every replica sets alike
+    ("mean")."""
+
+    def build(self, shape):
+        def state(name, aggregation, **kwargs):
+            return self.add_weight(
+                name=name, shape=(), trainable=False, aggregation=aggregation, **kwargs
+            )
+
+        self.total = state("total", "sum", initializer="zeros")
+        self.calls = state("calls", "only_first_replica", initializer="zeros", dtype="int64")
+        self.counted = state("counted", "none", initializer="zeros")
+        self.decay = state("decay", "mean", initializer="ones")
+
+    def call(self, x):
+        self.total.assign_add(ops.sum(x))
+        self.calls.assign_add(1)
+        self.counted.assign_add(1.0)
+        self.decay.assign(self.decay * 0.9)
+        return x
+
+
+class RowsSeen(keras.layers.Layer):
+    """Writes how many rows its call saw: the replica's rows, not the batch's."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(**kwargs)
+        self.aggregation = aggregation
+
+    def build(self, shape):
+        self.seen = self.add_weight(
+            name="seen", shape=(), initializer="zeros", trainable=False,
+            aggregation=self.aggregation,
+        )  # fmt: skip
+
+    def call(self, x):
+        self.seen.assign(ops.cast(ops.shape(x)[0], "float32"))
+        return x
+
+
+def rows_seen(aggregation):
+    """A model whose layer writes the rows its call saw, with `aggregation`."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((8,)), RowsSeen(aggregation), keras.layers.Dense(3)]
+    )  # fmt: skip
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    """keras.io's endpoint layer: it adds its loss and updates its metric in `call`."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.accuracy_fn = keras.metrics.BinaryAccuracy()
+
+    def call(self, logits, targets=None, sample_weight=None):
+        if targets is not None:
+            self.add_loss(self.loss_fn(targets, logits, sample_weight))
+            self.accuracy_fn.update_state(targets, logits, sample_weight)
+        return ops.sigmoid(logits)
+
+
+def _layer_state():
+    """keras.io's endpoint-layer pattern (its targets and sample weights are inputs), after a
+    layer keeping a running sum and counters."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,), name="inputs")
+    targets = keras.Input((1,), name="targets")
+    sample_weight = keras.Input((1,), name="sample_weight")
+    hidden = keras.layers.Dense(16, activation="relu")(RunningSum()(inputs))
+    logits = keras.layers.Dense(1)(hidden)
+    predictions = LogisticEndpoint()(logits, targets, sample_weight)
+    model = keras.Model([inputs, targets, sample_weight], predictions)
+    model.compile(optimizer=optimizer("adam"))
+    return model
+
+
+def _endpoint_data():
+    x, y, weights = _weighted_data()
+    targets = (y == 1).astype("float32")[:, None]
+    return {"inputs": x, "targets": targets, "sample_weight": weights[:, None]}, None, None
+
+
 FEATURES = {
     "sgd_momentum": Feature(lambda: dense("sgd"), _plain_data),
     "adam": Feature(lambda: dense("adam"), _plain_data, tolerance=1e-4),
@@ -280,6 +369,7 @@ FEATURES = {
         lambda: dense(steps_per_execution=3), _plain_data, evaluate=True
     ),
     "batch_smaller_than_replicas": Feature(lambda: dense("sgd"), _plain_data, batch_size=1),
+    "layer_state": Feature(_layer_state, _endpoint_data, tolerance=1e-4, evaluate=True),
 }
 
 

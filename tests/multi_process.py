@@ -92,16 +92,27 @@ def assert_feature_equals_single_device(ranks, name):
         assert_same_history(history, rank[scenario]["history"], rtol=1e-4)
 
 
+def assert_every_process_raised_for_a_diverged_weight(ranks):
+    """A weight left at aggregation "none" that the replicas wrote differently: every process
+    raised the error naming the weight and the fix (none waits for the others)."""
+    for rank in ranks:
+        assert "rows_seen/seen, whose aggregation is 'none'" in rank["diverged"]
+        assert "aggregation='sum'" in rank["diverged"]
+
+
 def assert_real_models_equal_single_device(ranks):
-    """A deep model in float64 and the transfer-learning flow, as on one device."""
+    """A deep model and a keras.io example's in float64, and the transfer-learning flow, as on
+    one device."""
     from real_models import DEEP, deep_reference, transfer_reference
 
-    weights, history = deep_reference("MobileNetV2")
-    tolerance = DEEP["MobileNetV2"].tolerance
-    assert_equal_across_ranks(ranks, "deep")
-    for rank in ranks:
-        assert max_weight_difference(Weights(weights), Weights(rank["deep"]["weights"])) < tolerance
-        assert_same_history(history, rank["deep"]["history"], rtol=tolerance, atol=tolerance)
+    for name in ("MobileNetV2", "timeseries"):
+        weights, history = deep_reference(name)
+        tolerance, scenario = DEEP[name].tolerance, f"deep {name}"
+        assert_equal_across_ranks(ranks, scenario)
+        for rank in ranks:
+            trained = rank[scenario]
+            assert max_weight_difference(Weights(weights), Weights(trained["weights"])) < tolerance
+            assert_same_history(history, trained["history"], rtol=tolerance, atol=tolerance)
     weights, history, _ = transfer_reference()
     assert_equal_across_ranks(ranks, "transfer")
     for rank in ranks:

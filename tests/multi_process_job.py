@@ -22,7 +22,7 @@ if REDUCER == "ring":
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from features import FEATURES, MULTI_PROCESS  # noqa: E402
+from features import FEATURES, MULTI_PROCESS, rows_seen  # noqa: E402
 from features import fit as features_fit  # noqa: E402
 from models import (  # noqa: E402
     BATCH,
@@ -221,13 +221,14 @@ def run_sharded_input(results, seed):
 
 
 def run_real_models(results, seed):
-    """A deep model (float64) and the keras.io transfer-learning flow, each rank starting from its
-    own weights (tests/real_models.py)."""
-    deep = DEEP["MobileNetV2"]
-    with precision(deep.floatx):
-        model = kmirror.wrap(deep.build(seed=seed), reducer=REDUCER)
-        history = deep.fit(model)
-    results["deep"] = {"weights": model.get_weights(), "history": history}
+    """A deep model and a keras.io example's (float64), and the keras.io transfer-learning flow,
+    each rank starting from its own weights (tests/real_models.py)."""
+    for name in ("MobileNetV2", "timeseries"):
+        deep = DEEP[name]
+        with precision(deep.floatx):
+            model = kmirror.wrap(deep.build(seed=seed), reducer=REDUCER)
+            history = deep.fit(model)
+        results[f"deep {name}"] = {"weights": model.get_weights(), "history": history}
     model, base = transfer_model(seed=seed)
     wrapped = kmirror.wrap(model, reducer=REDUCER)
     history = transfer_flow(wrapped, base)
@@ -241,6 +242,15 @@ def run_features(results):
         model = kmirror.wrap(feature.build(), reducer=REDUCER)
         history = features_fit(model, feature)
         results[f"feature {name}"] = {"weights": model.get_weights(), "history": history}
+    # A weight left at aggregation "none" that the replicas write differently (their row
+    # counts, 16 and 17): every process raises, at the same step.
+    x, y = dense_data()
+    model = kmirror.wrap(rows_seen("none"), reducer=REDUCER)
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        results["diverged"] = "trained"
+    except ValueError as error:
+        results["diverged"] = str(error)
 
 
 def save(out, rank, results):

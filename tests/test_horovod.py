@@ -20,6 +20,7 @@ from multi_process import (
     assert_chief_weights_before_any_fit,
     assert_each_process_loads_only_its_rows,
     assert_equal_across_ranks,
+    assert_every_process_raised_for_a_diverged_weight,
     assert_feature_equals_single_device,
     assert_own_evaluation_equals_single_device,
     assert_real_models_equal_single_device,
@@ -86,6 +87,10 @@ def test_two_ranks_equal_single_device(ranks, scenario):
     for rank in ranks:
         assert max_weight_difference(model, Weights(rank[scenario]["weights"])) < 1e-5
         assert_same_history(history, rank[scenario]["history"])
+
+
+def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):
+    assert_every_process_raised_for_a_diverged_weight(launched("kmirror.launch", tmp_path_factory))
 
 
 def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(ranks):

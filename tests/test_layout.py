@@ -14,7 +14,7 @@ LAYERS = [
     # What kmirror knows of the machine, Keras and TensorFlow.
     ["versions", "errors", "files", "devices", "tf_hooks", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.model_state", "keras_hooks.reading"]
-    + ["keras_hooks.optimizers", "keras_hooks.storage"]
+    + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["rendezvous", "supervisor"],
     # The processes of a job, metric states, compression.
     ["cluster", "metric_states", "rows", "sparse_gradients", "draws", "reducers.compression"]
@@ -23,7 +23,8 @@ LAYERS = [
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],
     # The model's state on the replicas, the steps and the input they take.
-    ["mirroring", "data", "py_datasets", "feeding", "placement", "logged", "step", "own_step"],
+    ["mirroring", "data", "py_datasets", "feeding", "placement", "logged", "layer_state"]
+    + ["accumulation", "step", "own_step"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["callbacks", "callbacks.backup", "callbacks.checkpoint", "callbacks.tensorboard"]
     + ["inputs", "resume", "fitting", "chief_state", "building", "compiling"],

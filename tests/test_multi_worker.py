@@ -21,6 +21,7 @@ from multi_process import (
     assert_chief_weights_before_any_fit,
     assert_each_process_loads_only_its_rows,
     assert_equal_across_ranks,
+    assert_every_process_raised_for_a_diverged_weight,
     assert_feature_equals_single_device,
     assert_own_evaluation_equals_single_device,
     assert_real_models_equal_single_device,
@@ -95,6 +96,10 @@ def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", MULTI_PROCESS)
 def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, name):
     assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
+
+
+def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):
+    assert_every_process_raised_for_a_diverged_weight(launched(1, tmp_path_factory))
 
 
 def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(tmp_path_factory):

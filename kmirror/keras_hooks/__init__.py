@@ -14,7 +14,8 @@ Keras exposes none of these as public API, so `replica` replaces a few functions
 while a kmirror replica runs (elsewhere they behave exactly as Keras' own), and `optimizers` makes
 the optimizers kmirror trains apply as on one device. The package also holds every other use of
 Keras internals, so that it is the only place that touches them: `storage` (the `tf.Variable`
-behind a Keras variable, which kmirror mirrors in place), `model_state` (a model's compile
+behind a Keras variable, which kmirror mirrors in place), `writes` (which variables a replica's
+step assigns, a model's seed generators and moving statistics), `model_state` (a model's compile
 arguments, compiled loss and metrics, symbolic build, saving cache, the epoch a restored `fit`
 starts at) and `reading` (the order in which Keras' array adapter draws rows, its class weights
 and validation split, what its PyDataset adapter makes of a batch, the data adapter of a
@@ -69,6 +70,7 @@ from kmirror.keras_hooks.replica import (  # noqa: E402
     replica,
 )
 from kmirror.keras_hooks.storage import forget_traces, storage, store  # noqa: E402
+from kmirror.keras_hooks.writes import moving_statistics, recording, seed_states  # noqa: E402
 
 __all__ = [
     "Rows",
@@ -91,6 +93,9 @@ __all__ = [
     "storage",
     "store",
     "forget_traces",
+    "recording",
+    "seed_states",
+    "moving_statistics",
     "calls_with_training",
     "compile_arguments",
     "compiled_loss",

@@ -1,0 +1,158 @@
+"""State that layers write during a step, combined over the replicas as each weight declares.
+
+A layer may keep state that its `call` writes: a running sum (`self.total.assign_add(...)`), a
+call counter, a Keras metric updated inside `call` (keras.io's endpoint-layer pattern). Each
+replica writes its own copy, from its own rows. After its part of the step, what a replica wrote
+is combined over every replica in one all-reduce, as `add_weight(aggregation=...)` declares:
+
+- `"sum"`: the value before the step plus every replica's change (a running sum over the rows is
+  then one device's; Keras' metrics declare their variables so, which makes a metric updated
+  inside `call` exact in the logs and in `evaluate`);
+- `"mean"`: the mean of the replicas' values;
+- `"only_first_replica"`: the first replica's value;
+- `"none"` (Keras' default): the replicas must have written the same value (a call counter);
+  where they did not, the step raises before it updates any weight, and the error says to
+  declare the aggregation (`kmirror.errors.DIVERGED`).
+
+What kmirror keeps alike by construction is left as it is: weights and optimizer state (every
+replica applies the summed gradient), seed generators' states (every replica takes its rows of
+one device's draw), BatchNormalization's moving statistics when they come from the global batch's
+statistics, and metrics a model's own step updates with global values. With per-replica
+statistics (`sync_batch_norm=False`) the moving statistics are averaged, as `"mean"`.
+
+Example:
+
+```python
+state = LayerState(model, reducer, global_statistics=True)
+def replica_step(...):             # in replica context
+    before = state.before()
+    with state.recording():
+        ...                        # the replica's forward pass
+    done = state.combine(before)   # run the weights' update after these
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from kmirror import errors, keras_hooks, mirroring
+from kmirror.reducers.base import Reducer
+
+__all__ = ["LayerState"]
+
+_AGGREGATIONS = ("sum", "mean", "only_first_replica", "none")
+
+
+class LayerState:
+    """The state of `model` that one traced step's replicas write, and its combination.
+
+    Made once per trace of a step (its replicas share it): the variables a replica writes are
+    recorded while its forward pass is traced, and combined in the same order on every replica.
+
+    Args:
+        model: the user's model.
+        reducer: sums over the replicas.
+        global_statistics: BatchNormalization's moving statistics come from the global batch.
+        left: more variables left as each replica writes them: written alike (the metrics a
+            model's own step updates with global values), or never read.
+    """
+
+    def __init__(
+        self, model: keras.Model, reducer: Reducer, global_statistics: bool, left=()
+    ) -> None:
+        self._reducer = reducer
+        kept = [v for o in mirroring.optimizers(model) for v in o.variables]
+        kept += keras_hooks.seed_states(model) + list(left)
+        statistics = keras_hooks.moving_statistics(model)
+        kept += statistics if global_statistics else []
+        #: Per-replica statistics are averaged (BatchNormalization declares no aggregation).
+        self._aggregation = {} if global_statistics else {id(v): "mean" for v in statistics}
+        kept = {id(v) for v in kept}
+        self._candidates = [
+            v for v in mirroring.state(model) if not v.trainable and id(v) not in kept
+        ]
+        self._written = {}  # id -> variable: what any replica of this trace wrote
+        self._layout = None  # the written candidates, in the order every replica packs them
+
+    def _aggregation_of(self, variable) -> str:
+        aggregation = self._aggregation.get(id(variable), variable.aggregation)
+        return aggregation if aggregation in _AGGREGATIONS else "none"
+
+    def before(self) -> dict:
+        """In replica context, before the forward pass: the values a `"sum"` needs."""
+        return {
+            id(v): keras_hooks.storage(v).read_value()
+            for v in self._candidates
+            if self._aggregation_of(v) == "sum"
+        }
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        """The block whose writes to the model's state are recorded (the replica's forward)."""
+        return keras_hooks.recording(self._written)
+
+    def combine(self, before: dict) -> list:
+        """In replica context, after the forward pass: every written variable takes its combined
+        value. Returns what must run before the step updates the weights (the checks)."""
+        written = [v for v in self._candidates if id(v) in self._written]
+        if self._layout is None:
+            self._layout = written
+        elif len(written) != len(self._layout):
+            raise ValueError(
+                "kmirror: the replicas' steps write different layer weights "
+                f"({', '.join(v.path for v in written)}); each replica must run the same code."
+            )
+        if not self._layout:
+            return []
+        first = tf.cast(tf.equal(self._reducer.replica_index(), 0), tf.float64)
+        after, sent = [], []
+        for variable in self._layout:
+            value = keras_hooks.storage(variable).read_value()
+            wide = tf.reshape(tf.cast(value, tf.float64), [-1])
+            aggregation = self._aggregation_of(variable)
+            if aggregation == "sum":
+                wide = wide - tf.reshape(tf.cast(before[id(variable)], tf.float64), [-1])
+            elif aggregation in ("only_first_replica", "none"):
+                wide = wide * first
+            after.append(value)
+            sent.append(wide)
+        total = self._reducer.all_sum(tf.stop_gradient(tf.concat(sent, 0)))
+        checked, offset = [], 0
+        for variable, value, part in zip(self._layout, after, sent):
+            combined = tf.reshape(total[offset : offset + part.shape[0]], value.shape)
+            offset += part.shape[0]
+            aggregation = self._aggregation_of(variable)
+            if aggregation == "none":
+                own = tf.cast(value, tf.float64)
+                checked.append((variable, tf.reduce_any(tf.not_equal(own, combined))))
+                continue
+            if aggregation == "sum":
+                combined += tf.cast(before[id(variable)], tf.float64)
+            elif aggregation == "mean":
+                combined /= self._reducer.num_replicas
+            keras_hooks.storage(variable).assign(tf.cast(combined, value.dtype))
+        return self._checks(checked)
+
+    def _checks(self, checked: list) -> list:
+        """Asserts that no replica wrote another value than the first replica to a `"none"`
+        weight; every process sees the same count, so all raise at the same step."""
+        if not checked:
+            return []
+        differing = tf.stack([tf.cast(d, tf.float64) for _, d in checked])
+        differing = self._reducer.all_sum(differing)
+        return [
+            tf.debugging.Assert(
+                tf.equal(count, 0),
+                [
+                    f"{errors.DIVERGED} {variable.path}, whose aggregation is 'none' (one "
+                    "device keeps one value). Declare how the replicas' values combine: "
+                    "add_weight(..., aggregation='sum') for a running sum or count over the "
+                    "rows, 'mean' for their mean, 'only_first_replica' for the first replica's "
+                    "value."
+                ],
+            )
+            for (variable, _), count in zip(checked, tf.unstack(differing))
+        ]
