@@ -27,6 +27,7 @@ import tensorflow as tf
 from kmirror import errors
 from kmirror import inputs as inputs_lib
 from kmirror import resume as resume_lib
+from kmirror.callbacks import keras_own
 from kmirror.reducers.base import Reducer
 
 __all__ = ["Fit"]
@@ -38,9 +39,10 @@ class Fit:
     def __init__(
         self, model: keras.Model, reducer: Reducer, inputs: inputs_lib.Inputs, args, kwargs
     ) -> None:
-        job = reducer.job
-        job.seed_once()
+        job = self._job = reducer.job
         arguments = inputs_lib.arguments_of(keras.Model.fit, model, args, kwargs, job.is_chief)
+        keras_own.check(arguments.get("callbacks"))  # before anything is read or written
+        job.seed_once()
         resume = resume_lib.agree(reducer, arguments)
         #: Batches drawn in Python, a step per call: the resumed epoch is shorter than the
         #: others, and Keras' step function would find its end inside the graph, after advancing
@@ -54,12 +56,16 @@ class Fit:
 
     @contextlib.contextmanager
     def running(self):
-        """The context Keras' loop runs in: a non-finite loss becomes `NonFiniteLoss`."""
+        """The context Keras' loop runs in: Keras' own file-writing callbacks write once in the
+        job (`kmirror.callbacks.keras_own`); a non-finite loss becomes `NonFiniteLoss`."""
+        callbacks = self.arguments["callbacks"]
         try:
             with warnings.catch_warnings(), errors.state_checked():
                 if self.draws_in_python:
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
-                yield
+                with keras_own.written_once(callbacks, self._job) as chosen:
+                    self.arguments["callbacks"] = chosen
+                    yield
         except tf.errors.InvalidArgumentError as error:
             if errors.NON_FINITE not in str(error):
                 raise

@@ -40,6 +40,7 @@ from kmirror import (
 )
 from kmirror import inputs as inputs_lib
 from kmirror import rows as rows_lib
+from kmirror.callbacks import keras_own
 from kmirror.chief_state import ChiefState
 from kmirror.reducers.base import Reducer
 
@@ -287,7 +288,12 @@ class MirroredModel(keras.Model):
         with self._reducer.job.failures():
             method, chief = keras.Model.evaluate, self.is_chief
             arguments = inputs_lib.arguments_of(method, self, args, kwargs, chief)
-            with errors.state_checked():
+            callbacks = arguments.get("callbacks")
+            with (
+                errors.state_checked(),
+                keras_own.written_once(callbacks, self._reducer.job) as chosen,
+            ):
+                arguments["callbacks"] = chosen
                 return super().evaluate(**self._reading.for_evaluate(arguments))
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -296,9 +302,14 @@ class MirroredModel(keras.Model):
             self._builder.build(data_batch=keras_hooks.first_batch(x, batch_size))
         if not self.is_chief and verbose == "auto":
             verbose = 0
-        with self._reducer.job.failures(), errors.state_checked():
+        job = self._reducer.job
+        with (
+            job.failures(),
+            errors.state_checked(),
+            keras_own.written_once(callbacks, job) as chosen,
+        ):
             return super().predict(
-                x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+                x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=chosen
             )
 
     def batch_order_drawn_from(self) -> tuple | None:

@@ -4,7 +4,8 @@
     python -m kmirror.launch -n 2 callbacks_job.py MODE OUT horovod
     python -m kmirror.launch --workers 2 callbacks_job.py MODE OUT ring
 
-MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, and an early-stopped run.
+MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, an early-stopped run, and
+Keras' own file-writing callbacks, every process writing into OUT/keras.
 MODE "backup": 5 epochs of 4 batches, numpy arrays in order, then a RowDataset shuffled (each
 process loads its rows; Python's random draws the order), with
 BackupAndRestore(OUT/backup<rank>, save_freq=2): each process has its own folder, as without a
@@ -33,7 +34,7 @@ elif reducer != "horovod":
     kmirror.devices.simulate(2)
 
 import keras  # noqa: E402
-from models import BATCH, Rows, dense_data, dense_model  # noqa: E402
+from models import BATCH, KERAS_EPOCHS, Rows, dense_data, dense_model, keras_callbacks  # noqa: E402
 
 rank = kmirror.cluster.process()[0]
 x, y = dense_data()
@@ -87,6 +88,8 @@ if mode == "callbacks":
     results["samples_seen"] = model.samples_seen
     stopped = fit(make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)])
     results["early_stopped_epochs"] = len(stopped["loss"])
+    # Keras' own callbacks, every process given the same folder.
+    results["keras history"] = fit(make(), KERAS_EPOCHS, keras_callbacks(out / "keras"))
 elif mode == "backup":
     # First each scenario uninterrupted (whole-<scenario>, its own backup folder), then each
     # crashed and resumed.

@@ -151,3 +151,19 @@ def nan_data():
     y = rng.integers(0, 3, size=64)
     x[NAN_ROW, 3] = np.inf
     return x, y
+
+
+KERAS_EPOCHS = 12
+
+
+def keras_callbacks(folder) -> list:
+    """Keras' own callbacks writing into `folder` (a checkpoint of the best epoch, a CSV log, event
+    files), the learning rate halved on a plateau and training stopped early (before
+    `KERAS_EPOCHS`, for `dense_model` on `dense_data` with validation data)."""
+    return [
+        keras.callbacks.ModelCheckpoint(f"{folder}/best.keras", save_best_only=True),
+        keras.callbacks.CSVLogger(f"{folder}/log.csv"),
+        keras.callbacks.TensorBoard(f"{folder}/board"),
+        keras.callbacks.ReduceLROnPlateau(factor=0.5, patience=1, min_delta=0.01),
+        keras.callbacks.EarlyStopping(patience=3, min_delta=0.01),
+    ]

@@ -14,7 +14,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from models import BATCH, dense_data, dense_model
+from models import (
+    BATCH,
+    KERAS_EPOCHS,
+    assert_same_history,
+    dense_data,
+    dense_model,
+    keras_callbacks,
+)
 
 import kmirror
 
@@ -151,6 +158,81 @@ def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
     epochs = [r["early_stopped_epochs"] for r in ranks]
     assert 1 < epochs[0] < 30
     assert epochs == [len(reference.history["loss"])] * len(ranks)
+
+
+def files(folder: Path) -> list[str]:
+    """The files under `folder`, an event file named by its writer's folder only (its name holds
+    the host, the process and the time)."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            name = path.relative_to(folder).as_posix()
+            found.append(name.rsplit("/", 1)[0] + "/<events>" if "tfevents" in name else name)
+    return sorted(found)
+
+
+def csv_rows(path: Path) -> tuple[str, np.ndarray]:
+    header, *rows = path.read_text().splitlines()
+    return header, np.array([[float(v) for v in row.split(",")] for row in rows])
+
+
+@functools.cache
+def single_device_keras_files(folder: str) -> dict:
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    return (
+        dense_model("sgd")
+        .fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=KERAS_EPOCHS,
+            shuffle=False,
+            verbose=0,
+            validation_data=(xv, yv),
+            callbacks=keras_callbacks(folder),
+        )
+        .history
+    )
+
+
+def test_keras_own_callbacks_write_the_files_one_device_writes(job, tmp_path_factory):
+    """ModelCheckpoint(save_best_only=True), CSVLogger, TensorBoard, ReduceLROnPlateau and
+    EarlyStopping given to every process with one folder: one checkpoint, one CSV log, one event
+    file per writer, as one device writes them; the learning rate lowered and training stopped at
+    the epochs one device lowers and stops at."""
+    _, out, ranks = job
+    reference = tmp_path_factory.getbasetemp() / "keras-one-device"
+    history = single_device_keras_files(str(reference))
+    assert len(history["loss"]) < KERAS_EPOCHS and min(history["learning_rate"]) < 0.1
+    shared = out / "keras"
+    assert files(shared) == files(reference)
+    assert files(shared) == ["best.keras", "board/train/<events>", "board/validation/<events>"] + [
+        "log.csv"
+    ]
+    for rank in ranks:
+        assert_same_history(history, rank["keras history"])
+    header, rows = csv_rows(shared / "log.csv")
+    expected_header, expected_rows = csv_rows(reference / "log.csv")
+    assert header == expected_header
+    np.testing.assert_allclose(rows, expected_rows, rtol=1e-5, atol=1e-6)
+    best, expected_best = (keras.models.load_model(f / "best.keras") for f in (shared, reference))
+    for a, b in zip(best.get_weights(), expected_best.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    board = scalars(shared / "board" / "train")
+    np.testing.assert_allclose([float(v) for v in board["epoch_loss"]], history["loss"], rtol=1e-5)
+
+
+def test_keras_backup_and_restore_is_refused_naming_kmirrors(tmp_path):
+    x, y = dense_data()
+    model = kmirror.wrap(dense_model("sgd"), devices=["/cpu:0", "/cpu:1"])
+    before = model.get_weights()
+    backup = keras.callbacks.BackupAndRestore(tmp_path / "backup")
+    with pytest.raises(ValueError, match=r"use kmirror\.callbacks\.BackupAndRestore"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[backup])
+    assert not (tmp_path / "backup").exists()
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # In one process: tests/test_backup.py.

@@ -27,6 +27,7 @@ LAYERS = [
     + ["accumulation", "step", "own_step"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["callbacks", "callbacks.backup", "callbacks.checkpoint", "callbacks.tensorboard"]
+    + ["callbacks.keras_own"]
     + ["inputs", "resume", "fitting", "chief_state", "building", "compiling"],
     # The model.
     ["model"],

@@ -7,8 +7,10 @@
 | `BackupAndRestore` | resume after a crash where the last backup was taken, inside an epoch too |
 
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
-process, so `EarlyStopping` stops every process at the same epoch. A NaN or infinite loss stops
-every process at the same step with `kmirror.errors.NonFiniteLoss`.
+process, so `EarlyStopping` stops every process at the same epoch. In a job of several processes
+Keras' own `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write once, from the chief
+(`keras_own`); Keras' `BackupAndRestore` is refused for this package's. A NaN or infinite loss
+stops every process at the same step with `kmirror.errors.NonFiniteLoss`.
 
 Example:
 
