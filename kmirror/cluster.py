@@ -21,7 +21,7 @@ import sys
 
 import tensorflow as tf
 
-from kmirror import tf_hooks
+from kmirror import slurm, tf_hooks
 
 __all__ = ["is_chief", "process", "connect", "connected", "joined", "describe", "Cluster"]
 
@@ -123,8 +123,12 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
 
     TensorFlow configures its collective ops (the gRPC transport between workers) only before it
     runs anything, so this must be the first TensorFlow work of the script. Without `cluster_spec`
-    it reads `TF_CONFIG`, as Kubernetes operators and Slurm scripts set it; without either it does
-    nothing and returns None (one process). Calling it again with the same cluster is harmless.
+    it reads `TF_CONFIG`, as Kubernetes operators set it; without that, in a Slurm job step of
+    several tasks (`srun -n 2 python train.py`), Slurm's environment, as TensorFlow's
+    `SlurmClusterResolver` reads it: one worker per task, worker `SLURM_PROCID`, the step's nodes,
+    ports from 8888 on each node (`KMIRROR_SLURM_PORT` sets another first port). Without any of
+    these it does nothing and returns None (one process). Calling it again with the same cluster
+    is harmless.
 
     Example:
 
@@ -145,6 +149,9 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
     """
     global _connected
     wanted = describe(cluster_spec, task_type, task_id)
+    step = slurm.workers() if wanted is None and cluster_spec is None else None
+    if step is not None:
+        wanted = describe({"worker": step[0]}, "worker", step[1])
     if wanted is None:
         return None
     if _connected is not None:
@@ -186,13 +193,14 @@ def connected() -> Cluster:
 
 
 def describe(cluster_spec=None, task_type=None, task_id=None) -> Cluster | None:
-    """Validates a cluster description (or TF_CONFIG's) without joining it."""
+    """Validates a cluster description (or TF_CONFIG's) without joining it; without either, the
+    cluster this process joined (or None)."""
     if cluster_spec is None:
         if task_type is not None or task_id is not None:
             raise ValueError("task_type and task_id go with cluster_spec; pass cluster_spec too.")
         config = json.loads(os.environ.get("TF_CONFIG") or "{}")
         if not config.get("cluster"):
-            return None
+            return _connected
         task = config.get("task") or {}
         cluster_spec, task_type, task_id = config["cluster"], task.get("type"), task.get("index")
     try:

@@ -11,7 +11,9 @@ TensorFlow has no public API for these things kmirror needs:
 - whether TensorFlow has started, and whether its collective ops are configured
   (`started`, `collectives_configured`), to refuse a late `kmirror.cluster.connect()` clearly;
 - which strategy a variable was created under (`strategy_of`): whether a model's variable is
-  mirrored already, and by which wrapped model.
+  mirrored already, and by which wrapped model;
+- Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
+  `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
@@ -29,6 +31,9 @@ versions.check()  # before the internals below
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective  # noqa: E402
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops  # noqa: E402
 from tensorflow.python.distribute import distribute_lib  # noqa: E402
+from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
+    slurm_cluster_resolver as tf_slurm,
+)
 from tensorflow.python.eager import context  # noqa: E402
 
 __all__ = [
@@ -38,6 +43,7 @@ __all__ = [
     "read_published",
     "started",
     "collectives_configured",
+    "slurm_tasks",
     "strategy_of",
 ]
 
@@ -121,3 +127,11 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
     """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
     without GPUs)."""
     return _MultiWorker(resolver, options, cpu_devices)
+
+
+def slurm_tasks(nodes: str, tasks_per_node: str) -> list[tuple[str, int]]:
+    """(host, tasks on it) for a job step's `SLURM_STEP_NODELIST` ("node[01-03],gpu7") and
+    `SLURM_STEP_TASKS_PER_NODE` ("2(x3),1"), in Slurm's order."""
+    return list(
+        zip(tf_slurm.expand_hostlist(nodes), tf_slurm.expand_tasks_per_node(tasks_per_node))
+    )

@@ -17,7 +17,8 @@ LAYERS = [
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["rendezvous", "supervisor"],
     # The processes of a job, metric states, compression.
-    ["cluster", "metric_states", "rows", "sparse_gradients", "draws", "reducers.compression"]
+    ["slurm", "cluster", "metric_states", "rows", "sparse_gradients", "draws"]
+    + ["reducers.compression"]
     + ["reducers.packing"]
     + ["reducers.job", "reducers.former"],
     # Reducers: how values cross replicas and processes.

@@ -1,11 +1,13 @@
 """Multi-worker training on TensorFlow's collective ring: workers on loopback, each starting from
 its own weights, train exactly as one device would with the same global batch."""
 
+import contextlib
 import functools
 import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,6 +179,57 @@ def test_shuffled_epochs_see_every_sample_once(workers):
         loss, accuracy = rank["shuffled"]["evaluate"]
         np.testing.assert_allclose(rank["shuffled"]["history"]["loss"], [loss, loss], rtol=1e-5)
         np.testing.assert_allclose(rank["shuffled"]["history"]["accuracy"], [accuracy] * 2)
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free on loopback now."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                with contextlib.ExitStack() as stack:
+                    for offset in range(1, count):
+                        stack.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no consecutive free ports on loopback")
+
+
+def test_a_slurm_job_step_of_two_tasks_equals_single_device(tmp_path):
+    """`srun -n 2` on one node, its environment set by hand: each task joins as the worker of its
+    SLURM_PROCID (no TF_CONFIG, no launcher), and the job trains as one device."""
+    slurm = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "KMIRROR_SLURM_PORT": str(consecutive_free_ports(2)),
+        "KMIRROR_TEST_CORE": "1",  # the first scenarios only
+    }
+    environment = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    tasks = [
+        subprocess.Popen(
+            [PYTHON, str(HERE / "multi_process_job.py"), str(tmp_path), "ring"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=HERE.parent,
+            env={**environment, **slurm, "SLURM_PROCID": str(task)},
+        )
+        for task in range(2)
+    ]
+    try:
+        outputs = [task.communicate(timeout=TIMEOUT)[0] for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    assert [r["numpy"]["is_chief"] for r in ranks] == [True, False]
+    assert [r["numpy"]["num_replicas"] for r in ranks] == [2, 2]
+    assert_chief_weights_before_any_fit(ranks)
+    assert_scenario_equals_single_device(ranks, "numpy")
 
 
 def test_launch_run_in_ring_mode_returns_every_workers_result():
