@@ -2,12 +2,14 @@
 
     python -m kmirror.launch -n 2 train.py --epochs 3      # or: kmirror-launch -n 2 train.py ...
     python -m kmirror.launch --workers 2 train.py          # multi-worker: TF_CONFIG, reducer="ring"
+    python -m kmirror.launch -n 2 --max-restarts 3 train.py   # started again when a process fails
 
 starts `train.py` twice with what the processes need to form a job: for Horovod a rendezvous
 server on loopback and ranks in the environment; for multi-worker training (`--workers N`, or
 `--mode ring`) a `TF_CONFIG` per worker naming free loopback ports. It streams every line of their
 output prefixed with its rank,
-stops the others as soon as one fails, and exits with the worst exit code. `run(fn, n=2)` does the
+stops the others as soon as one fails, and exits with the worst exit code; with
+`--max-restarts K` it then starts the whole job again, up to K times. `run(fn, n=2)` does the
 same for a Python function and returns each rank's result. Every launch can be bounded by a
 timeout, after which all processes are killed.
 
@@ -30,10 +32,9 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
-import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,6 +55,7 @@ def launch(
     env: dict[str, str] | None = None,
     output: TextIO | None = None,
     port: int | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Runs `command` in `n` local processes that form one job; returns the worst exit code.
 
@@ -74,40 +76,40 @@ def launch(
         port: the loopback port of Horovod's rendezvous server, or of the first worker (the
             others take the next ones); default: free ports chosen now. A port in use is an
             error that names it.
+        max_restarts: when a process fails, the whole job is stopped and started again, up to
+            this many times (with `kmirror.callbacks.BackupAndRestore` it resumes from the
+            newest backup). The timeout bounds all the attempts together.
 
     Returns:
-        0 if every process succeeded; else the exit code of the first that failed (a process
-        killed by signal S counts as 128 + S), or 124 on timeout.
+        0 if every process succeeded; else the exit code of the first that failed in the last
+        attempt (a process killed by signal S counts as 128 + S), or 124 on timeout.
     """
     _check(n, mode)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number >= 0; got {max_restarts!r}.")
     output = output or sys.stdout
-    with rendezvous.job_environment(n, mode, port) as rank_envs:
-        processes = []
-        for rank_env in rank_envs:
-            process = subprocess.Popen(
-                list(command),
-                env={**os.environ, **rendezvous.python_path(), **(env or {}), **rank_env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                bufsize=1,
-                start_new_session=True,
-            )
-            processes.append(process)
-        lock = threading.Lock()
-        streams = [
-            threading.Thread(
-                target=supervisor.stream, args=(p, f"[{rank}] ", output, lock), daemon=True
-            )
-            for rank, p in enumerate(processes)
-        ]
-        for stream in streams:
-            stream.start()
-        code = supervisor.supervise(processes, timeout, output, lock)
-        for stream in streams:
-            stream.join(timeout=5)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(max_restarts + 1):
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        code = _attempt(command, n, mode, left, env, output, port)
+        if code in (0, 124) or attempt == max_restarts:
+            return code
+        print(
+            f"kmirror.launch: the job failed with exit code {code}; starting it again "
+            f"(restart {attempt + 1} of {max_restarts})",
+            file=output,
+            flush=True,
+        )
     return code
+
+
+def _attempt(command, n, mode, timeout, env, output, port) -> int:
+    """One start of the job's processes, supervised until they end; the worst exit code."""
+    with rendezvous.job_environment(n, mode, port) as rank_envs:
+        base = {**os.environ, **rendezvous.python_path(), **(env or {})}
+        return supervisor.run(
+            [list(command)] * n, [{**base, **e} for e in rank_envs], timeout, output
+        )
 
 
 def run(
@@ -173,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--port", type=int, default=None, help="rendezvous / first worker port (default: free)"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="start the whole job again when a process fails, up to this many times",
+    )
     parser.add_argument("--call", help=argparse.SUPPRESS)
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)
     parser.add_argument("program", nargs=argparse.REMAINDER, help="script.py [args...]")
@@ -199,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode=options.mode or "horovod",
             timeout=options.timeout,
             port=options.port,
+            max_restarts=options.max_restarts,
         )
     except (ValueError, OSError) as error:
         parser.error(str(error))

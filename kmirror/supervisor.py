@@ -4,7 +4,8 @@ stopped as soon as one fails, everything killed at the timeout; the job's exit c
 Example:
 
 ```python
-code = supervisor.supervise(processes, timeout=600, output=sys.stdout, lock=threading.Lock())
+code = supervisor.run([[sys.executable, "train.py"]] * 2, environments, timeout=600,
+                      output=sys.stdout)
 ```
 """
 
@@ -18,10 +19,39 @@ import threading
 import time
 from typing import TextIO
 
-__all__ = ["stream", "supervise", "GRACE_SECONDS"]
+__all__ = ["run", "stream", "supervise", "GRACE_SECONDS"]
 
 #: Seconds the other processes get to exit after one failed, before they are killed.
 GRACE_SECONDS = 10.0
+
+
+def run(commands: list, environments: list, timeout, output: TextIO) -> int:
+    """Starts a process per command (each in its environment, its own session), streams their
+    output and supervises them until they end; returns the job's exit code."""
+    processes = [
+        subprocess.Popen(
+            command,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        for command, environment in zip(commands, environments)
+    ]
+    lock = threading.Lock()
+    streams = [
+        threading.Thread(target=stream, args=(p, f"[{rank}] ", output, lock), daemon=True)
+        for rank, p in enumerate(processes)
+    ]
+    for thread in streams:
+        thread.start()
+    code = supervise(processes, timeout, output, lock)
+    for thread in streams:
+        thread.join(timeout=5)
+    return code
 
 
 def stream(process: subprocess.Popen, prefix: str, output: TextIO, lock: threading.Lock) -> None:

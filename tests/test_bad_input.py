@@ -197,6 +197,7 @@ LAUNCHER_MISTAKES = [
     (["-n", "2"], "give the script to run"),
     (["x.py"], "give the number of processes with -n N"),
     (["-n", "2", "--port", "70000", "x.py"], "port must be a whole number from 1 to"),
+    (["-n", "2", "--max-restarts", "-1", "x.py"], "max_restarts must be a whole number >= 0"),
 ]
 
 

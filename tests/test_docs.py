@@ -104,6 +104,10 @@ BAD_INPUT_ELSEWHERE = [
     "tests/test_prefetch.py::test_prefetch_must_be_a_boolean_or_none",
     "tests/test_backup.py::test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept",
     "tests/test_backup.py::test_a_bad_save_freq_names_the_choices",
+    "tests/test_layer_state.py::test_a_none_weight_written_differently_raises_naming_aggregation_and_updates_nothing",
+    "tests/test_horovod.py::test_a_weight_written_differently_raises_in_every_process",
+    "tests/test_multi_worker.py::test_a_weight_written_differently_raises_in_every_process",
+    "tests/test_callbacks.py::test_keras_backup_and_restore_is_refused_naming_kmirrors",
 ]
 #: Every fault case (the table of docs/reliability.md).
 FAULTS = [

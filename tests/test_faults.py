@@ -128,3 +128,46 @@ def run_capturing(command, mode):
     output = io.StringIO()
     code = kmirror.launch.launch(command, n=2, mode=mode, timeout=60, output=output)
     return code, [line for line in output.getvalue().splitlines() if line.endswith("}")]
+
+
+RESTARTED = """
+import json, os, sys, time
+from pathlib import Path
+
+rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+folder = Path(sys.argv[1])
+runs = folder / f"runs-{rank}"
+runs.write_text(str(int(runs.read_text()) + 1 if runs.exists() else 1))
+if rank == 1 and not (folder / "failed").exists():
+    (folder / "failed").touch()
+    for _ in range(200):  # fails once rank 0 has counted its run
+        if (folder / "runs-0").exists():
+            break
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+
+
+def test_a_failed_job_is_started_again_up_to_max_restarts(tmp_path):
+    """Rank 1 fails at the job's first start: with max_restarts=1 the whole job is started again
+    (both ranks) and succeeds; with max_restarts=0 the launcher returns the failure."""
+    import io
+
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    for restarts, expected in ((0, 3), (1, 0)):
+        folder = tmp_path / f"restarts-{restarts}"
+        folder.mkdir()
+        output = io.StringIO()
+        code = kmirror.launch.launch(
+            [sys.executable, str(script), str(folder)],
+            n=2,
+            mode="ring",
+            timeout=60,
+            output=output,
+            max_restarts=restarts,
+        )
+        assert code == expected, output.getvalue()
+        runs = [int((folder / f"runs-{rank}").read_text()) for rank in (0, 1)]
+        assert runs == [1 + restarts] * 2, "every rank starts again"
+        assert output.getvalue().count("starting it again") == restarts
