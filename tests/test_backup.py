@@ -77,11 +77,11 @@ def inputs(kind: str):
     return {"x": x, "y": y, "batch_size": BATCH, "shuffle": kind == "shuffled"}
 
 
-def train(backup_dir, kind, callbacks=(), **backup):
-    """One launch of the script: seeded, a new model and input; returns (model, batches trained,
-    batches loaded: a PyDataset's count, else None)."""
+def train(backup_dir, kind, callbacks=(), replicas=2, **backup):
+    """One launch of the script, on `replicas` replicas: seeded, a new model and input; returns
+    (model, batches trained, batches loaded: a PyDataset's count, else None)."""
     keras.utils.set_random_seed(11)
-    model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(2))
+    model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(replicas))
     counter = Batches()
     callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, **backup), counter, *callbacks]
     given = inputs(kind)
@@ -136,6 +136,19 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
     assert trained == batches, "the relaunch trains the batches not backed up, no more"
     if loaded is not None:  # and loads them, after the first two (their shapes)
         assert loaded == 2 + batches
+    assert_same_state(whole, state(resumed))
+
+
+@pytest.mark.parametrize("replicas", [3, 1])
+def test_a_backup_resumes_on_another_replica_count_to_the_uninterrupted_run(replicas, tmp_path):
+    """A crash inside a shuffled epoch on 2 replicas, relaunched on 3 or on 1: the same global
+    batches, so the same trajectory as the uninterrupted run on 2."""
+    whole = uninterrupted("shuffled")
+    with pytest.raises(Crash):
+        train(tmp_path / "backup", "shuffled", [CrashAt(2, 2)], save_freq=2)
+    resumed, trained, _ = train(tmp_path / "backup", "shuffled", replicas=replicas, save_freq=2)
+    assert resumed.num_replicas == replicas
+    assert trained == 2 + 4, "the relaunch resumes inside epoch 2"
     assert_same_state(whole, state(resumed))
 
 

@@ -25,7 +25,10 @@ def test_demo_prints_a_row_per_reducer_beside_single_device():
         "one_device",
         "hierarchical_copy",
         "auto -> hierarchical_copy",
+        "horovod (2 processes)",
+        "ring (2 processes)",
     ]
+    assert [int(row.split("|")[2]) for row in rows] == [1, 2, 2, 2, 2, 2]
     for row in rows[1:]:
         assert float(row.split("|")[-2]) < 1e-4, row  # max weight difference to single device
 
