@@ -18,7 +18,9 @@ A step whose global loss is not finite stops before any variable is updated, in 
 for Keras' built-in metrics, the sum over replicas of what each replica's rows add to their
 states (`kmirror.metric_states`); for other metrics and per-output losses, the predictions of
 the whole batch, gathered in row order (`kmirror.logged`). The model updates its Keras metrics
-once per global batch, exactly as on one device.
+once per global batch, exactly as on one device. State a layer writes during a replica's pass (a
+metric updated in its `call`, a running sum) is combined over the replicas as the weight declares
+(`kmirror.layer_state`).
 """
 
 from __future__ import annotations
