@@ -3,9 +3,9 @@
 `srun -n 2 python train.py` starts the script as two tasks of one job step. Each task finds the
 step in its environment: `SLURM_STEP_NUM_TASKS`, its own `SLURM_PROCID`, the step's nodes
 (`SLURM_STEP_NODELIST`, "node[01-03],gpu7") and tasks per node (`SLURM_STEP_TASKS_PER_NODE`,
-"2(x3),1"). The workers are laid out as TensorFlow's `SlurmClusterResolver` lays them: the nodes
-in order, each node's tasks on consecutive ports from 8888 (`KMIRROR_SLURM_PORT` sets another
-first port). Unlike that resolver, a task needs no GPU.
+"2(x3),1"). The workers are the tasks in rank order: the step's nodes in Slurm's order, each
+node's tasks on consecutive ports from 8888, the ports TensorFlow's `SlurmClusterResolver` gives
+them (`KMIRROR_SLURM_PORT` sets another first port). Unlike that resolver, a task needs no GPU.
 
 Example:
 
