@@ -264,9 +264,12 @@ class RowsSeen(keras.layers.Layer):
 
     def build(self, shape):
         self.seen = self.add_weight(
-            name="seen", shape=(), initializer="zeros", trainable=False,
+            name="seen",
+            shape=(),
+            initializer="zeros",
+            trainable=False,
             aggregation=self.aggregation,
-        )  # fmt: skip
+        )
 
     def call(self, x):
         self.seen.assign(ops.cast(ops.shape(x)[0], "float32"))
@@ -276,9 +279,7 @@ class RowsSeen(keras.layers.Layer):
 def rows_seen(aggregation):
     """A model whose layer writes the rows its call saw, with `aggregation`."""
     keras.utils.set_random_seed(1)
-    model = keras.Sequential(
-        [keras.Input((8,)), RowsSeen(aggregation), keras.layers.Dense(3)]
-    )  # fmt: skip
+    model = keras.Sequential([keras.Input((8,)), RowsSeen(aggregation), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
     return model
 
