@@ -28,7 +28,7 @@ def replica_step(...):             # in replica context
     before = state.before()
     with state.recording():
         ...                        # the replica's forward pass
-    done = state.combine(before)   # run the weights' update after these
+    loss = after(state.combine(before), loss)   # the weights are updated after the checks
 ```
 """
 
@@ -42,7 +42,7 @@ import tensorflow as tf
 from kmirror import errors, keras_hooks, mirroring
 from kmirror.reducers.base import Reducer
 
-__all__ = ["LayerState"]
+__all__ = ["LayerState", "after"]
 
 _AGGREGATIONS = ("sum", "mean", "only_first_replica", "none")
 
@@ -156,3 +156,11 @@ class LayerState:
             )
             for (variable, _), count in zip(checked, tf.unstack(differing))
         ]
+
+
+def after(checks: list, values):
+    """`values` (any nest; None stays None), each tensor computed after `checks`."""
+    if not checks:
+        return values
+    with tf.control_dependencies(checks):
+        return tf.nest.map_structure(lambda v: tf.identity(v) if tf.is_tensor(v) else v, values)

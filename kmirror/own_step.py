@@ -34,7 +34,7 @@ import keras
 import tensorflow as tf
 
 from kmirror import draws, keras_hooks, metric_states, mirroring, placement, sparse_gradients
-from kmirror.layer_state import LayerState
+from kmirror.layer_state import LayerState, after
 from kmirror.reducers.base import Reducer
 
 __all__ = [
@@ -217,13 +217,7 @@ def _run(
         before = state.before()
         with keras_hooks.replica(rows), state.recording():
             result = method(rows_data)
-        checks = state.combine(before)
-        if not checks:
-            return result
-        with tf.control_dependencies(checks):
-            return tf.nest.map_structure(
-                lambda v: tf.identity(v) if isinstance(v, tf.Tensor) else v, result
-            )
+        return after(state.combine(before), result)
 
     with _hooked(model), draws.watched():
         return reducer.run(local, args=(shards,))

@@ -25,14 +25,13 @@ metric updated in its `call`, a running sum) is combined over the replicas as th
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from kmirror import accumulation, draws, errors, keras_hooks, sparse_gradients
-from kmirror.layer_state import LayerState
+from kmirror.layer_state import LayerState, after
 from kmirror.logged import Logged, Outcome
 from kmirror.placement import batch_size, placed, split
 from kmirror.reducers.base import Reducer
@@ -127,8 +126,7 @@ def train(
             loss, outputs, grads = gradients(x, y, sample_weight, start, total)
         # The gradients are summed, and the weights updated, after the checks of the state.
         checks = state.combine(before)
-        loss = _after(checks, loss)
-        grads = [None if g is None else _after(checks, g) for g in grads]
+        loss, grads = after(checks, (loss, grads))
         grads, lookups = sparse_gradients.apart(grads, shared or [False] * len(grads))
         return logged.local(loss, y, outputs, sample_weight, total), (grads, lookups)
 
@@ -157,14 +155,6 @@ def _layer_state(model: keras.Model, reducer: Reducer, global_statistics: bool) 
     compiled += getattr(loss, "metrics", [])
     unread = [v for metric in compiled if metric is not None for v in metric.variables]
     return LayerState(model, reducer, global_statistics, left=unread)
-
-
-def _after(checks: list, value):
-    """`value`, computed after `checks`."""
-    if not checks:
-        return value
-    with tf.control_dependencies(checks):
-        return tf.identity(value)
 
 
 def _reduce(reducer: Reducer, optimizer, grads: list, variables: list) -> list:
@@ -196,7 +186,7 @@ def evaluate(
         with keras_hooks.replica(rows), state.recording():
             y_pred = _call(model, x, training=False)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
-        loss = _after(state.combine(before), loss)
+        loss = after(state.combine(before), loss)
         outputs = (y_pred, keras_hooks.masks_of(y_pred))
         return logged.local(loss, y, outputs, sample_weight, total)
 
@@ -213,7 +203,7 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
         before = state.before()
         with state.recording():
             y_pred = _call(model, local[0], training=False)
-        return tf.nest.map_structure(functools.partial(_after, state.combine(before)), y_pred)
+        return after(state.combine(before), y_pred)
 
     return reducer.concat(reducer.run(local_step, args=(shards,)))
 

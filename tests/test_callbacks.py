@@ -179,7 +179,7 @@ def csv_rows(path: Path) -> tuple[str, np.ndarray]:
 
 
 @functools.cache
-def single_device_keras_files(folder: str) -> dict:
+def single_device_with_keras_callbacks(folder: str) -> dict:
     x, y = dense_data()
     xv, yv = dense_data(n=40, seed=5)
     return (
@@ -205,7 +205,7 @@ def test_keras_own_callbacks_write_the_files_one_device_writes(job, tmp_path_fac
     the epochs one device lowers and stops at."""
     _, out, ranks = job
     reference = tmp_path_factory.getbasetemp() / "keras-one-device"
-    history = single_device_keras_files(str(reference))
+    history = single_device_with_keras_callbacks(str(reference))
     assert len(history["loss"]) < KERAS_EPOCHS and min(history["learning_rate"]) < 0.1
     shared = out / "keras"
     assert files(shared) == files(reference)
