@@ -28,13 +28,16 @@ __all__ = [
     "reason",
     "NonFiniteWatch",
     "NON_FINITE",
+    "ROWS",
     "DIVERGED",
     "state_checked",
     "steps_taken",
 ]
 
-#: The marker of the training step's check that the global loss is finite.
+#: The marker of the training step's check that the global loss is finite; the check's message
+#: carries the global batch's rows after `ROWS`.
 NON_FINITE = "kmirror: the global loss is not finite"
+ROWS = "rows of the global batch:"
 #: The marker of a step's check that the replicas wrote a weight declared
 #: `aggregation="none"` alike (`_core.layer_state`).
 DIVERGED = "kmirror: the replicas wrote different values to the layer weight"
@@ -63,16 +66,34 @@ class NonFiniteWatch(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch, self.first_step = epoch, steps_taken(self.model)
 
-    def describe_non_finite(self) -> str:
+    def describe_non_finite(self, error: BaseException) -> str:
+        """What the step's failed check (`error`) says, for the user: where training stopped,
+        and, where the batch left replicas without rows, that they added nothing."""
         batch = steps_taken(self.model) - self.first_step + 1  # the failed step updated nothing
+        where = f"at epoch {self.epoch + 1}, batch {batch}"
+        found = re.search(re.escape(ROWS) + r"\D*(\d+)", str(error))
+        rows, replicas = int(found.group(1)) if found else None, self.model.num_replicas
+        stopped = "every process stopped at this step"
+        if rows is not None and rows < replicas:
+            return (
+                f"kmirror: the training loss became NaN or infinite {where}, a batch of {rows} "
+                f"row(s) on {replicas} replicas; {stopped}. The {replicas - rows} replica(s) "
+                "without rows added nothing to the step (kmirror discards what a replica without "
+                "rows computes), so the value came from this batch's rows or the weights. If those "
+                "rows are finite and one device trains on the same data, this is a kmirror bug: "
+                "report it. Meanwhile, a batch size that leaves no final batch smaller than the "
+                "replica count avoids it (or drop the final batch: tf.data's "
+                f"batch(..., drop_remainder=True)). {_KEPT}"
+            )
         return (
-            f"kmirror: the training loss became NaN or infinite at epoch {self.epoch + 1}, batch "
-            f"{batch}; every process stopped at this step. Look for NaN or infinite values in the "
-            "data (numpy: np.isfinite(x).all()), lower the learning rate, or clip gradients (e.g. "
-            "optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), then train again from the last "
-            "checkpoint. The model holds the weights of the last step before this one (this "
-            "step updated nothing)."
+            f"kmirror: the training loss became NaN or infinite {where}; {stopped}. Look for NaN "
+            "or infinite values in the data (numpy: np.isfinite(x).all()), lower the learning "
+            "rate, or clip gradients (e.g. optimizer=keras.optimizers.SGD(..., clipnorm=1.0)), "
+            f"then train again from the last checkpoint. {_KEPT}"
         )
+
+
+_KEPT = "The model holds the weights of the last step before this one (this step updated nothing)."
 
 
 @contextlib.contextmanager

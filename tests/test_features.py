@@ -38,7 +38,7 @@ def reference(name: str):
     return model, fit(model, feature)
 
 
-CASES = [(name, n, False) for name in sorted(FEATURES) for n in (2, 3)]
+CASES = [(name, n, False) for name in sorted(FEATURES) for n in FEATURES[name].replicas]
 # Prefetched on 3 replicas, the case with uneven shares and a replica without rows (2 replicas:
 # tests/test_prefetch.py).
 CASES += [(name, 3, True) for name in PREFETCHED]

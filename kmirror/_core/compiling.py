@@ -10,12 +10,14 @@ Example:
 
 ```python
 arguments, replica_jit_compile = outer(model, own_training=False, sync_batch_norm=True)
-keras.Model.compile(wrapped, **arguments)
+with in_floatx_of(model):
+    keras.Model.compile(wrapped, **arguments)
 ```
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
@@ -24,7 +26,7 @@ import tensorflow as tf
 from kmirror._core import keras_hooks
 from kmirror._core.building import every_layer
 
-__all__ = ["outer"]
+__all__ = ["outer", "in_floatx_of"]
 
 
 def outer(model: keras.Model, own_training: bool, sync_batch_norm: bool) -> tuple[dict, bool]:
@@ -58,6 +60,19 @@ def outer(model: keras.Model, own_training: bool, sync_batch_norm: bool) -> tupl
         auto_scale_loss=False,  # the user's optimizer already scales the loss
     )
     return arguments, replica_jit_compile
+
+
+@contextlib.contextmanager
+def in_floatx_of(model: keras.Model):
+    """Keras' float type as it was when `model` was compiled (its loss tracker's), for the
+    wrapped model's compile: its logs are kept in that type, as the model's own are."""
+    tracker = keras_hooks.loss_tracker(model)
+    before = keras.config.floatx()
+    keras.config.set_floatx(tracker.dtype if tracker is not None else before)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(before)
 
 
 def _has_batch_norm(model: keras.Model) -> bool:

@@ -77,4 +77,4 @@ class Fit:
         except tf.errors.InvalidArgumentError as error:
             if errors.NON_FINITE not in str(error):
                 raise
-            raise errors.NonFiniteLoss(self._watch.describe_non_finite()) from None
+            raise errors.NonFiniteLoss(self._watch.describe_non_finite(error)) from None

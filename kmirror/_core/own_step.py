@@ -114,14 +114,14 @@ def build_optimizers(model: keras.Model, reducer: Reducer, data) -> None:
 
 
 def _part(gradient, rows: keras_hooks.Rows):
-    """The replica's gradient weighed by its share of the rows (0 without rows: a mean over no
-    rows is NaN)."""
+    """The replica's gradient weighed by its share of the rows (nothing without rows)."""
     if isinstance(gradient, tf.IndexedSlices):
         share = rows.share(gradient.values.dtype)
-        return tf.IndexedSlices(gradient.values * share, gradient.indices, gradient.dense_shape)
-    gradient = tf.convert_to_tensor(gradient)
-    weighted = gradient * rows.share(gradient.dtype)
-    return tf.where(rows.count > 0, weighted, tf.zeros_like(weighted))
+        weighted = tf.IndexedSlices(gradient.values * share, gradient.indices, gradient.dense_shape)
+    else:
+        gradient = tf.convert_to_tensor(gradient)
+        weighted = gradient * rows.share(gradient.dtype)
+    return rows.only_with_rows(weighted)
 
 
 _updating = threading.local()
@@ -169,7 +169,7 @@ def _global(value, rows: keras_hooks.Rows, count: bool):
         if not tensor.dtype.is_floating:
             tensor = tf.cast(tensor, tf.float32)
         part = tensor * rows.share(tensor.dtype)  # a mean over the replica's rows
-        return rows.all_sum(tf.where(rows.count > 0, part, tf.zeros_like(part)))
+        return rows.all_sum(rows.only_with_rows(part))
 
     return tf.nest.map_structure(one, value)
 

@@ -67,8 +67,7 @@ def _no_sums_under_xla(value):
 def _loss_part(model, x, y, y_pred, sample_weight, rows, training):
     """This replica's part of the global batch's loss: the parts sum to the single-device loss."""
     loss = keras_hooks.compute_loss(model, x, y, y_pred, sample_weight, training=training)
-    # A replica without rows adds nothing (a mean over no rows would be NaN).
-    return tf.where(rows.count > 0, loss * rows.share(loss.dtype), tf.zeros_like(loss))
+    return rows.only_with_rows(loss * rows.share(loss.dtype))  # a mean over no rows is NaN
 
 
 def train(
@@ -109,7 +108,7 @@ def train(
             y_pred = _call(model, x, training=True)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=True)
             scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, variables)
+        grads = rows.only_with_rows(tape.gradient(scaled, variables))
         if not optimizer.gradient_accumulation_steps:  # accumulated gradients are summed dense
             shared[:] = sparse_gradients.shared_lookups(grads, (x, y, sample_weight), variables)
         return loss, (y_pred, keras_hooks.masks_of(y_pred)), grads
@@ -135,7 +134,7 @@ def train(
         local, (grads, lookups) = reducer.run(local_step, args=(shards,))
     outcome = logged.combine(reducer, local)
     # The global loss is the same in every process: all stop at the same step, before updating.
-    finite = tf.debugging.check_numerics(outcome.loss, errors.NON_FINITE)
+    finite = _finite(outcome)
     grads = _reduce(reducer, optimizer, grads, variables)
 
     def apply(grads, lookups):
@@ -144,6 +143,15 @@ def train(
 
     reducer.run(apply, args=(grads, lookups))
     return outcome._replace(loss=finite)
+
+
+def _finite(outcome: Outcome) -> tf.Tensor:
+    """The global loss, after a check that it is finite (its message carries the batch's rows:
+    `errors.NonFiniteWatch` tells the user whether replicas had none)."""
+    finite = tf.reduce_all(tf.math.is_finite(outcome.loss))
+    check = tf.debugging.Assert(finite, [errors.NON_FINITE, errors.ROWS, outcome.rows])
+    with tf.control_dependencies([check]):
+        return tf.identity(outcome.loss)
 
 
 def _layer_state(model: keras.Model, reducer: Reducer, global_statistics: bool) -> LayerState:

@@ -14,6 +14,8 @@ shards = placement.split(reducer, (x, y, sample_weight))  # per replica: rows, f
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -21,7 +23,15 @@ import tensorflow as tf
 from kmirror._core.feed import rows as rows_lib
 from kmirror.reducers.base import Reducer
 
-__all__ = ["batch_size", "shard", "split", "located", "placed", "global_rows"]
+__all__ = [
+    "batch_size",
+    "shard",
+    "split",
+    "located",
+    "placed",
+    "global_rows",
+    "eager_empty_rows_explained",
+]
 
 
 def batch_size(data: Any) -> tf.Tensor:
@@ -96,3 +106,29 @@ def global_rows(reducer: Reducer, data: Any, place: Any = None) -> tf.Tensor:
 def placed(reducer: Reducer, x, start, total, place) -> tuple:
     """In replica context: the replica's first row and the global batch's rows."""
     return located(reducer, batch_size(x)) if place is rows_lib.COUNTED else (start, total)
+
+
+@contextlib.contextmanager
+def eager_empty_rows_explained(reducer: Reducer, data: Any, place: Any = None) -> Iterator[None]:
+    """Around a step run eagerly (`run_eagerly=True`): an error raised while some of this
+    process's replicas had no rows says so. Eagerly, Keras' layers see a replica's empty batch
+    with its concrete shape, and some fail on it (Keras 3.15.1: the LSTM and GRU cells, global
+    max pooling), where a traced step, whose row count is unknown when traced, runs them."""
+    try:
+        yield
+    except (tf.errors.OpError, ValueError) as error:
+        if not tf.executing_eagerly():
+            raise
+        counts = reducer.run(
+            lambda shard: batch_size(shard[0]), args=(split(reducer, data, place),)
+        )
+        empty = sum(int(count) == 0 for count in reducer.local_values(counts))
+        if not empty:
+            raise
+        raise ValueError(
+            f"kmirror: this batch left {empty} of this process's replicas without rows, and with "
+            "run_eagerly=True Keras' layers ran eagerly on their empty batch, which a layer of "
+            f"this model cannot ({type(error).__name__}). Compile with run_eagerly=False "
+            "(kmirror's traced step runs every layer on no rows), or choose a batch size that "
+            "leaves no final batch smaller than the replica count."
+        ) from error
