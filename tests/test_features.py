@@ -186,3 +186,34 @@ def test_an_embedding_looked_up_both_ways_is_named_in_a_warning():
     x, y, _ = FEATURES["masked_loss"].data()
     with pytest.warns(UserWarning, match="looked up both per row and once for all rows"):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+
+
+def _random_crop():
+    """Keras' RandomCrop in training mode: one crop offset per batch (a draw of shape `()`)."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 10, 3)),
+            keras.layers.RandomCrop(8, 8),
+            keras.layers.Conv2D(4, 3),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3),
+        ]
+    )
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_scalar_draw_is_one_devices_on_every_replica(n):
+    """A draw of shape `()` (RandomCrop's offset) is the one value one device draws."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(101, 10, 10, 3)), rng.integers(0, 3, 101)
+    reference = _random_crop()
+    model = kmirror.wrap(_random_crop(), devices=cpus(n))
+    histories = [
+        m.fit(x, y, batch_size=33, epochs=2, shuffle=False, verbose=0).history
+        for m in (reference, model)
+    ]
+    assert max_weight_difference(reference, model) < 1e-5
+    assert_same_history(*histories)

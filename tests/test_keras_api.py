@@ -87,6 +87,49 @@ def test_shuffled_py_dataset_with_validation_and_class_weight(make, workers):
     assert_same_history(*histories)
 
 
+class Reshuffled(Batches):
+    """keras.io's pattern: a PyDataset that reshuffles its rows in `on_epoch_end` (with its own
+    generator: Keras calls it once more before the first pass of fit, evaluate and each
+    validation); each call logged."""
+
+    def __init__(self, x, y, batch_size, seed, **kwargs):
+        super().__init__(x, y, batch_size, **kwargs)
+        self.rng, self.calls = np.random.default_rng(seed), []
+
+    def on_epoch_begin(self):
+        self.calls.append("begin")
+
+    def on_epoch_end(self):
+        self.calls.append("end")
+        order = self.rng.permutation(len(self.x))
+        self.x, self.y = self.x[order], self.y[order]
+
+
+def test_py_dataset_reshuffled_in_on_epoch_end_is_read_as_keras_reads_it():
+    """Training, validation and evaluate read the rows one device reads, and the dataset's
+    `on_epoch_begin` and `on_epoch_end` are called as Keras calls them."""
+    x, y = dense_data()
+    xv, yv = dense_data(n=40, seed=5)
+    models, histories, datasets, evaluated = [], [], [], []
+    for wrapped in (False, True):
+        model = dense_model("adam")
+        if wrapped:
+            model = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(3))
+        train, validation = Reshuffled(x, y, BATCH, 1), Reshuffled(xv, yv, BATCH, 2)
+        history = model.fit(train, epochs=3, validation_data=validation, verbose=0)
+        tested = Reshuffled(xv, yv, BATCH, 3)
+        evaluated.append(model.evaluate(tested, verbose=0, return_dict=True))
+        models.append(model)
+        histories.append(history.history)
+        datasets.append([train.calls, validation.calls, tested.calls])
+    assert datasets[1] == datasets[0]
+    assert datasets[0][0] == ["end"] + ["begin", "end"] * 3, "Keras' own calls"
+    assert max_weight_difference(*models) < 1e-5
+    assert_same_history(*histories)
+    for key in evaluated[0]:
+        np.testing.assert_allclose(evaluated[1][key], evaluated[0][key], rtol=1e-5, err_msg=key)
+
+
 def test_validation_data_and_class_weight():
     x, y = dense_data()
     xv, yv = dense_data(n=40, seed=5)

@@ -159,7 +159,8 @@ class Inputs:
                 self.batches = batches
         validation = given.get("validation_data")
         if fit and py_datasets.readable(validation, given.get("validation_steps")):
-            given["validation_data"] = self._read(py_datasets.Batches(validation, **where))
+            batches = py_datasets.Batches(validation, validation=True, **where)
+            given["validation_data"] = self._read(batches)
         return given
 
     def _process(self) -> dict[str, int]:

@@ -3,8 +3,11 @@ batches, drawn as Keras' PyDataset adapter draws them.
 
 Keras reads a `PyDataset` of known length pass by pass: it calls the dataset's `on_epoch_begin`,
 draws the order of the batches with Python's `random.shuffle` when `shuffle=True`, reads the
-batches in that order and calls `on_epoch_end`. `Batches` does the same, at the same moments (a
-pass begins when its first batch is read), so training is the single-device one, and:
+batches in that order and calls `on_epoch_end`. Before the first pass of a `fit` or `evaluate`
+(and of every validation), it calls `on_epoch_end` once more (its epoch iterator's reset), so a
+dataset that reshuffles there has reshuffled once before the first epoch. `Batches` does the same,
+at the same moments (a pass begins when its first batch is read), so training is the
+single-device one, and:
 
 - for a `kmirror.data.RowDataset` in a job of several processes, each process loads only its
   rows of each batch (`load(rows)`), handed on with their place in the batch;
@@ -92,8 +95,12 @@ def readable(x, steps) -> bool:
 class Batches:
     """The batches of a `PyDataset`, pass after pass, as a `tf.data.Dataset` (`dataset`)."""
 
-    def __init__(self, source, *, shuffle=False, class_weight=None, index=0, count=1) -> None:
+    def __init__(
+        self, source, *, shuffle=False, class_weight=None, index=0, count=1, validation=False
+    ) -> None:
         self.source = source
+        #: Passes Keras begins with a reset: the first (fit, evaluate), or each (validation).
+        self._resets = float("inf") if validation else 1
         self.shuffle = bool(shuffle)
         self._where = (index, count)
         self._rows = isinstance(source, RowDataset) and count > 1
@@ -125,6 +132,9 @@ class Batches:
         )
 
     def _pass(self):
+        if self._resets:  # Keras' epoch iterator ends a pass when it is made or reset
+            self._resets -= 1
+            self.source.on_epoch_end()
         self.source.on_epoch_begin()
         order = list(range(self.num_batches))
         self.drawn_from = random.getstate()

@@ -195,9 +195,9 @@ def _global_shape(shape, rows: Rows):
     """(the shape of one device's draw, the rows of it this replica takes) for a draw whose first
     dimension is this replica's rows, or k times them as traced (k batches joined, as a GAN's
     generated and real images: one device's draw over k global batches); else (shape, None)."""
-    shape = tf.convert_to_tensor(shape)
+    given, shape = shape, tf.convert_to_tensor(shape, dtype_hint=tf.int32)
     if shape.shape.rank != 1 or shape.shape[0] == 0:
-        return shape, None
+        return given, None  # a scalar draw (shape `()`): one value, the same on every replica
     first, count = tf.cast(shape[0], tf.int64), tf.cast(rows.count, tf.int64)
     blocks = tf.where(tf.equal(first, count), tf.constant(1, tf.int64), 0)
     if not tf.executing_eagerly() and tf.get_static_value(shape[0]) is None:
