@@ -13,7 +13,7 @@ LIMIT = 250
 LAYERS = [
     # What kmirror knows of the machine, Keras and TensorFlow.
     ["versions", "errors", "files", "devices", "tf_hooks", "keras_hooks"]
-    + ["keras_hooks.replica", "keras_hooks.model_state", "keras_hooks.reading"]
+    + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides"]
     + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"],

@@ -75,12 +75,12 @@ from kmirror._core.keras_hooks.reading import (  # noqa: E402
     validation_split,
 )
 from kmirror._core.keras_hooks.replica import (  # noqa: E402
-    Rows,
     compute_loss,
     current,
     install,
     replica,
 )
+from kmirror._core.keras_hooks.rows import Rows  # noqa: E402
 from kmirror._core.keras_hooks.storage import forget_traces, storage, store  # noqa: E402
 from kmirror._core.keras_hooks.writes import moving_statistics, recording, seed_states  # noqa: E402
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import tensorflow as tf
 from keras.src import ops
@@ -22,52 +20,9 @@ from keras.src.backend.tensorflow import random as keras_random
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.losses import loss as keras_loss
 
+from kmirror._core.keras_hooks.rows import Rows
+
 __all__ = ["Rows", "current", "replica", "install", "compute_loss"]
-
-
-@dataclass
-class Rows:
-    """This replica's place in the global batch, and how it sums a value with the others."""
-
-    start: tf.Tensor  # first row of this replica in the global batch
-    count: tf.Tensor  # rows of this replica (may be 0)
-    total: tf.Tensor  # rows of the global batch
-    all_sum: Callable[[tf.Tensor], tf.Tensor]  # sum over every replica (replica context)
-    global_statistics: bool = True  # BatchNormalization over the global batch
-    #: In a model's own step: sums gradients over every replica (replica context), and joins
-    #: every replica's rows of a tensor in row order.
-    reduce_gradients: Callable[[list], list] | None = None
-    all_gather: Callable[[tf.Tensor], tf.Tensor] | None = None
-    #: The scope variables made during the step (an optimizer's, on its first update) need.
-    variable_scope: Callable[[], contextlib.AbstractContextManager] | None = None
-    data: Any = None  # in a model's own step: the replica's rows (inputs, targets, weights)
-
-    def share(self, dtype) -> tf.Tensor:
-        """This replica's fraction of the global batch's rows."""
-        return tf.math.divide_no_nan(tf.cast(self.count, dtype), tf.cast(self.total, dtype))
-
-    def only_with_rows(self, values):
-        """`values` (any nest of tensors, `tf.IndexedSlices` or None) where this replica has
-        rows, zeros where it has none: a replica without rows contributes nothing, whatever the
-        kernels it ran returned for an empty batch (TensorFlow's CPU kernel of the depthwise
-        convolution's filter gradient returns uninitialised memory there: 6.9e-310, 8.7e+247,
-        NaN; checked on TensorFlow 2.19 and 2.21, `tests/test_empty_rows.py`).
-
-        A product that is 0 wherever its factor is 0, even with NaN or infinity: `tf.where` on
-        the scalar condition, the same values, made a Horovod job whose global batch had a static
-        row (batch_size=1, 2 processes) wait forever at its first step (TensorFlow 2.21)."""
-        has_rows = self.count > 0
-
-        def one(value):
-            if value is None:
-                return None
-            if isinstance(value, tf.IndexedSlices):
-                kept = tf.math.multiply_no_nan(value.values, tf.cast(has_rows, value.dtype))
-                return tf.IndexedSlices(kept, value.indices, value.dense_shape)
-            value = tf.convert_to_tensor(value)
-            return tf.math.multiply_no_nan(value, tf.cast(has_rows, value.dtype))
-
-        return tf.nest.map_structure(one, values)
 
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
