@@ -22,7 +22,7 @@ from keras.src.losses import loss as keras_loss
 
 from kmirror._core.keras_hooks.rows import Rows
 
-__all__ = ["Rows", "current", "replica", "install", "compute_loss"]
+__all__ = ["current", "replica", "install", "compute_loss"]
 
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
