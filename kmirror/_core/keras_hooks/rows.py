@@ -46,13 +46,14 @@ class Rows:
         row (batch_size=1, 2 processes) wait forever at its first step (TensorFlow 2.21)."""
         has_rows = self.count > 0
 
+        def kept(tensor):
+            return tf.math.multiply_no_nan(tensor, tf.cast(has_rows, tensor.dtype))
+
         def one(value):
             if value is None:
                 return None
             if isinstance(value, tf.IndexedSlices):
-                kept = tf.math.multiply_no_nan(value.values, tf.cast(has_rows, value.dtype))
-                return tf.IndexedSlices(kept, value.indices, value.dense_shape)
-            value = tf.convert_to_tensor(value)
-            return tf.math.multiply_no_nan(value, tf.cast(has_rows, value.dtype))
+                return tf.IndexedSlices(kept(value.values), value.indices, value.dense_shape)
+            return kept(tf.convert_to_tensor(value))
 
         return tf.nest.map_structure(one, values)
