@@ -15,7 +15,7 @@ LAYERS = [
     ["versions", "errors", "files", "devices", "tf_hooks", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
-    + ["keras_hooks.overrides"]
+    + ["keras_hooks.overrides", "global_batch", "keras_hooks.calls"]
     + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"],
     # The processes of a job, metric states, compression.
     ["slurm", "cluster", "metric_states", "feed", "feed.rows", "sparse_gradients", "draws"]
@@ -200,3 +200,12 @@ def test_keras_and_tensorflow_internals_are_reached_only_from_their_two_modules(
     assert any("_save_model" in use for use in hooks) and any("_log_epoch" in use for use in hooks)
     tf_hooks = internals_used(ast.parse(modules()["kmirror._core.tf_hooks"].read_text()), private)
     assert any("tensorflow.python" in use for use in tf_hooks)
+
+
+def test_the_suite_runs_in_its_groups(request):
+    """`make test` hands each group of tests (tests/conftest.py) to one process: pytest-xdist
+    writes the group into each test's id. Where it cannot (pytest 9.2 with pytest-xdist 3.8),
+    every process runs each module's job and reference again."""
+    if not hasattr(request.config, "workerinput"):
+        pytest.skip("run by pytest-xdist only (make test)")
+    assert request.node.nodeid.endswith("@tests/test_layout.py")
