@@ -58,6 +58,7 @@ bench: install
 	$(PY) benchmarks/bench_scaling.py
 	$(PY) benchmarks/bench_accumulation.py
 	$(PY) benchmarks/bench_large_output.py
+	$(PY) benchmarks/bench_own_step.py
 	$(PY) benchmarks/bench_input_sharding.py
 	$(PY) benchmarks/bench_real_models.py
 	$(PY) benchmarks/report.py

@@ -222,6 +222,33 @@ def large_output(results: dict) -> str:
     )
 
 
+def own_step(results: dict) -> str:
+    r = results["own_step"]
+    rows = [
+        [
+            program,
+            r[program]["native_ms_per_step"],
+            r[program]["kmirror_ms_per_step"],
+            r[program]["time"],
+            r[program]["native_peak_mib"],
+            r[program]["kmirror_peak_mib"],
+            r[program]["peak_memory"],
+        ]
+        for program in ("dcgan", "simclr")
+        if program in r
+    ]
+    header = ["own train_step", "native ms/step", "kmirror ms/step", "time ratio"]
+    header += ["native peak MiB", "kmirror peak MiB", "memory ratio"]
+    return (
+        f"### Own train_step ({r['replicas']} replicas, batch {r['batch']})\n\n"
+        + "kmirror runs the step on the whole batch (one device's values), native "
+        + "MirroredStrategy on each replica's rows; peak tensor memory of TensorFlow's "
+        + "allocator.\n\n"
+        + table(header, rows)
+        + "\n"
+    )
+
+
 def real_models(results: dict) -> str:
     section = results["real_models"]
     setup = section["setup"]
@@ -322,6 +349,7 @@ def body(results: dict) -> str:
         ("scaling", scaling),
         ("accumulation", accumulation),
         ("large_output", large_output),
+        ("own_step", own_step),
         ("input_sharding", input_sharding),
         ("real_models", real_models),
     ):

@@ -8,8 +8,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import global_steps
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import layers as L
 from keras import ops
 from models import BATCH, N_SAMPLES, dense_data, multi_io_data, multi_io_model, optimizer
@@ -41,6 +43,8 @@ class Feature:
     floatx: str = "float32"
     #: The in-process replica counts it trains on (tests/test_features.py).
     replicas: tuple[int, ...] = (2, 3)
+    #: The validation data fit is given, if any.
+    validation: Callable[[], tuple] | None = None
 
 
 def dense(
@@ -437,6 +441,28 @@ FEATURES = {
     "layer_state": Feature(_layer_state, _endpoint_data, tolerance=1e-4, evaluate=True),
     "every_layer_family_sgd": _every_family("sgd"),
     "every_layer_family_adam": _every_family("adam"),
+    **{
+        name: Feature(build, data, tolerance=1e-10, floatx="float64")
+        for name, build, data in [
+            ("own_step_raw_logs", global_steps.raw_logs, global_steps.unlabelled),
+            ("own_step_batch_norm", global_steps.batch_norm_step, global_steps.labelled),
+            ("own_step_per_row_loss", global_steps.per_row_loss, global_steps.labelled),
+            ("own_step_info_nce", global_steps.info_nce, global_steps.unlabelled),
+            ("own_step_global_draw", global_steps.global_draw, global_steps.divisible),
+            ("own_step_uneven_metric", global_steps.uneven_metric, global_steps.unlabelled),
+            ("own_step_regularised", global_steps.regularised, global_steps.labelled),
+            ("own_step_gradient_penalty", global_steps.gradient_penalty, global_steps.unlabelled),
+            ("compiled_contrastive", global_steps.compiled_contrastive, global_steps.classes),
+            ("own_step_unseeded", global_steps.unseeded, global_steps.unlabelled),
+        ]
+    },
+    "own_step_self_supervised": Feature(
+        global_steps.self_supervised,
+        global_steps.zipped,
+        tolerance=1e-10,
+        floatx="float64",
+        validation=global_steps.validation,
+    ),
 }
 
 
@@ -477,11 +503,13 @@ def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
 
 def _fit(model: keras.Model, feature: Feature, epochs: int) -> dict:
     x, y, sample_weight = feature.data()
+    batched = isinstance(x, tf.data.Dataset)
     history = model.fit(
         x,
         y,
         sample_weight=sample_weight,
-        batch_size=feature.batch_size,
+        batch_size=None if batched else feature.batch_size,
+        validation_data=feature.validation() if feature.validation else None,
         epochs=1 if feature.batch_size == 1 else epochs,
         shuffle=False,
         verbose=0,

@@ -9,7 +9,7 @@ are mirrored from the start. A dataset's element spec builds it without drawing 
 Example:
 
 ```python
-builder = Builder(wrapped, model, reducer, mirror, own_training=False, built=chief.changed)
+builder = Builder(wrapped, model, reducer, mirror, own_training=lambda: False, built=chief.changed)
 builder.build(data_batch=(x[:32], y[:32]))
 ```
 """
@@ -37,39 +37,51 @@ class Builder:
         model: keras.Model,
         reducer: Reducer,
         mirror: mirroring.Mirror,
-        own_training: bool,
+        own_training: Callable[[], bool],
         built: Callable[[], None],
+        fitting: Callable[[], bool] = lambda: False,
     ) -> None:
         self._wrapped, self._model, self._reducer = wrapped, model, reducer
         self._mirror, self._own_training, self._built = mirror, own_training, built
+        self._fitting = fitting  # whether the wrapped model's fit is running
+        self._traced = set()  # the own steps traced to build the model
 
-    def build(self, iterator=None, data_batch=None) -> None:
+    def build(self, iterator=None, data_batch=None, step: str | None = None) -> None:
         """Builds what is not built yet, from `data_batch` or the first batch of `iterator`
-        (Keras' epoch iterator); then calls `built`."""
+        (Keras' epoch iterator); then calls `built`. `step`: the step about to run (default:
+        `train_step` in `fit`, else `test_step`)."""
         model = self._model
-        if self._own_training:  # a GAN or VAE holding built sub-models has no call() of its own
-            model_built = all(layer.built for layer in every_layer(model))
-        else:
-            model_built = model.built
         loss = keras_hooks.compiled_loss(model)
         loss_built = loss is None or loss.built
         optimizers_built = all(o.built for o in mirroring.optimizers(model))
-        metrics = None if self._own_training else keras_hooks.compiled_metrics(self._wrapped)
-        if model_built and loss_built and optimizers_built and (metrics is None or metrics.built):
-            return
+        own_training = self._own_training()
+        if own_training:
+            step = step or ("train_step" if self._fitting() else "test_step")
+            if {step, "train_step"} & self._traced:
+                return  # the step built what it uses; what it never uses stays unbuilt
+            done = all(layer.built for layer in every_layer(model)) and optimizers_built
+            if done and loss_built:
+                return
+            metrics = None
+        else:
+            done = model.built and loss_built
+            metrics = keras_hooks.compiled_metrics(self._wrapped)
+            if done and optimizers_built and (metrics is None or metrics.built):
+                return
         if data_batch is None:
             for _, _, batches in iterator:
                 data_batch = next(batches)
                 break
         data_batch, _ = rows_lib.unpack(data_batch)
-        if not (model_built and loss_built):
-            for optimizer in mirroring.optimizers(model):
-                self._mirror.train(optimizer)  # Keras' build also builds the optimizer
+        for optimizer in mirroring.optimizers(model):
+            self._mirror.train(optimizer)  # building may build an optimizer too
+        if own_training:
+            own_step.build_as_one_device(model, step, data_batch)
+            self._traced.add(step)
+        elif not done:
             with self._mirror.scope():
                 keras_hooks.symbolic_build(model, _symbolic(data_batch))
-        if self._own_training:
-            own_step.build_optimizers(model, self._reducer, data_batch)
-        elif model.compiled:
+        if not own_training and model.compiled:
             self._mirror.build_optimizer(model.optimizer, model.trainable_variables)
         if metrics is not None and not metrics.built:
             # The logs' metrics are updated outside the replicas, from their summed states.
@@ -77,7 +89,7 @@ class Builder:
         self._mirror.mirror(model)
         self._built()
 
-    def from_spec(self, x) -> None:
+    def from_spec(self, x, step: str | None = None) -> None:
         """Builds from a dataset's element spec, drawing no batch from it: a batch drawn before
         training would advance a seeded shuffle, and the epochs would no longer be one device's."""
         if not isinstance(x, tf.data.Dataset):
@@ -85,7 +97,7 @@ class Builder:
         spec, _ = rows_lib.unpack(x.element_spec)
         leaves = tf.nest.flatten(spec)
         if all(isinstance(s, tf.TensorSpec) and s.shape.rank is not None for s in leaves):
-            self.build(data_batch=spec)
+            self.build(data_batch=spec, step=step)
 
 
 def every_layer(layer) -> list:

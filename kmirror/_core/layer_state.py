@@ -35,6 +35,7 @@ def replica_step(...):             # in replica context
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import keras
 import tensorflow as tf
@@ -94,6 +95,23 @@ class LayerState:
     def recording(self) -> contextlib.AbstractContextManager:
         """The block whose writes to the model's state are recorded (the replica's forward)."""
         return keras_hooks.recording(self._written)
+
+    @contextlib.contextmanager
+    def recording_rows(self, has_rows: tf.Tensor) -> Iterator[None]:
+        """`recording`, for a layer call of a model's own step, where a replica without rows
+        computes on one row of the batch (`_core.global_batch`): what the call adds to a
+        `"sum"` weight there is taken back."""
+        sums = [v for v in self._candidates if self._aggregation_of(v) == "sum"]
+        before = {id(v): keras_hooks.storage(v).read_value() for v in sums}
+        written = {}
+        with keras_hooks.recording(written):
+            yield
+        self._written.update(written)
+        for variable in sums:
+            if id(variable) in written:
+                stored, start = keras_hooks.storage(variable), before[id(variable)]
+                added = (stored.read_value() - start) * tf.cast(has_rows, start.dtype)
+                stored.assign(start + added)
 
     def combine(self, before: dict) -> list:
         """In replica context, after the forward pass: every written variable takes its combined

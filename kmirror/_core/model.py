@@ -90,11 +90,16 @@ class MirroredModel(keras_hooks.ModelOverrides):
                 tf.DeviceSpec.from_string(d).device_type == "GPU" for d in reducer.devices
             )
         self._own_steps = own_step.overridden(model)
-        self._own_training = bool(self._own_steps & {"train_step", "test_step"})
         self._replica_jit_compile = False
         self._chief = ChiefState(reducer.job, self._shared_variables)
         self._builder = building.Builder(
-            self, model, reducer, self._mirror, self._own_training, built=self._chief.changed
+            self,
+            model,
+            reducer,
+            self._mirror,
+            lambda: self._own_training,
+            built=self._chief.changed,
+            fitting=lambda: self._fit is not None,
         )
         self._reading = inputs_lib.Inputs(
             reducer, prefetch, build=self._builder.from_spec, built=lambda: model.built
@@ -215,9 +220,20 @@ class MirroredModel(keras_hooks.ModelOverrides):
         return self._model(inputs, training=training)
 
     @property
+    def _own_training(self) -> bool:
+        """Whether the user's model's steps run whole on every replica (`_core.own_step`): its
+        own `train_step` or `test_step`, or Keras' for a loss that may couple the batch's rows
+        (a loss of the user's own, a `compute_loss` of its own, Keras' Dice, Tversky, Circle)."""
+        own = getattr(self, "_own_steps", set()) & {"train_step", "test_step"}
+        model = getattr(self, "_model", None)
+        if own or model is None or not model.compiled:
+            return bool(own)
+        return not keras_hooks.rowwise_loss(model)
+
+    @property
     def metrics(self):
         # A model's own step updates the user's model's metrics: they are this model's.
-        if getattr(self, "_own_training", False):
+        if self._own_training:
             return self._model.metrics
         return super().metrics
 
@@ -312,7 +328,8 @@ class MirroredModel(keras_hooks.ModelOverrides):
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._check_wrapped()
         if not self._model.built:
-            self._builder.build(data_batch=keras_hooks.first_batch(x, batch_size))
+            first = keras_hooks.first_batch(x, batch_size)
+            self._builder.build(data_batch=first, step="predict_step")
         if not self.is_chief and verbose == "auto":
             verbose = 0
         job = self._reducer.job

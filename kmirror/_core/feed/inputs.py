@@ -61,12 +61,12 @@ class Inputs:
         self,
         reducer: Reducer,
         prefetch: bool,
-        build: Callable[[Any], None],
+        build: Callable[[Any, str], None],
         built: Callable[[], bool],
     ) -> None:
         self._reducer = reducer
         self._prefetch = prefetch
-        self._build = build  # builds the model from a dataset's element spec
+        self._build = build  # builds the model from a dataset's element spec, for a step
         self._built = built
         #: `local_batches` datasets whose batch counts the processes compared.
         self._counted = weakref.WeakSet()
@@ -80,7 +80,7 @@ class Inputs:
         # The resumed pass of a PyDataset does not load the batches already trained.
         given = self._read_py_datasets(given, fit=True, skip=resume.step if skipping else 0)
         self._check_local_batches(given)
-        self._build(given.get("x"))
+        self._build(given.get("x"), "train_step")
         if resume is None:
             return self._on_devices(given)
         if isinstance(given.get("x"), tf.data.Dataset):
@@ -92,7 +92,7 @@ class Inputs:
         """`evaluate`'s arguments as Keras reads them."""
         given = self._read_py_datasets(self._rows_of_process(arguments))
         self._check_local_batches(given)
-        self._build(given.get("x"))
+        self._build(given.get("x"), "test_step")
         return self._on_devices(given)
 
     def _rows_of_process(self, arguments: dict, fit: bool = False, skipping: bool = False) -> dict:
@@ -154,13 +154,13 @@ class Inputs:
                 **where,
             )
             batches.resume(skip)
-            given["x"] = self._read(batches)
+            given["x"] = self._read(batches, "train_step" if fit else "test_step")
             if fit:
                 self.batches = batches
         validation = given.get("validation_data")
         if fit and py_datasets.readable(validation, given.get("validation_steps")):
             batches = py_datasets.Batches(validation, validation=True, **where)
-            given["validation_data"] = self._read(batches)
+            given["validation_data"] = self._read(batches, "test_step")
         return given
 
     def _process(self) -> dict[str, int]:
@@ -168,10 +168,11 @@ class Inputs:
         job = self._reducer.job
         return {"index": job.process_index, "count": job.num_processes}
 
-    def _read(self, batches: py_datasets.Batches):
-        """What Keras takes for `batches` (with their count of steps), the model built first."""
+    def _read(self, batches: py_datasets.Batches, step: str):
+        """What Keras takes for `batches` (with their count of steps), the model built first
+        for `step` (`train_step`, `test_step`)."""
         dataset = batches.dataset()
-        self._build(dataset)
+        self._build(dataset, step)
         return keras_hooks.distributed_input(dataset, batches.num_batches)
 
     def _on_devices(self, arguments: dict) -> dict:

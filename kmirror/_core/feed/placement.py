@@ -41,9 +41,14 @@ def batch_size(data: Any) -> tf.Tensor:
 
 
 def shard(data: Any, index: int, count: int) -> Any:
-    """Rows `[index*B//count, (index+1)*B//count)` of every tensor in `data`."""
-    start, stop = rows_lib.bounds(batch_size(data), index, count)
-    return tf.nest.map_structure(lambda t: None if t is None else t[start:stop], data)
+    """Rows `[index*B//count, (index+1)*B//count)` of every tensor in `data`, each by its own
+    row count `B` (a batch may zip tensors of different row counts)."""
+
+    def rows(tensor):
+        start, stop = rows_lib.bounds(tf.shape(tensor)[0], index, count)
+        return tensor[start:stop]
+
+    return tf.nest.map_structure(lambda t: None if t is None else rows(t), data)
 
 
 def split(reducer: Reducer, data: Any, place: Any = None) -> Any:

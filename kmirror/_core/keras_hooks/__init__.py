@@ -21,7 +21,8 @@ starts at), `overrides` (the private methods Keras calls on a model and on its c
 TensorBoard callbacks, routed to kmirror's methods) and `reading` (the order in which Keras'
 array adapter draws rows, its class weights and validation split, what its PyDataset adapter
 makes of a batch, the data adapter of a distributed dataset, the passes Keras begins over a
-dataset). A Keras upgrade checks this package. Checked on Keras 3.15.1 with TensorFlow 2.21.0
+dataset) and `calls` (a model's own step computes as one device, its layer calls on a replica's
+rows). A Keras upgrade checks this package. Checked on Keras 3.15.1 with TensorFlow 2.21.0
 (`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
 """
 
@@ -29,6 +30,7 @@ from kmirror import versions
 
 versions.check()  # before the internals this package touches
 
+from kmirror._core.keras_hooks.calls import OwnStep, current_step, splitting  # noqa: E402
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
@@ -45,6 +47,7 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     resolve_auto_jit_compile,
     resume_at_epoch,
     resumed_epoch,
+    rowwise_loss,
     symbolic_build,
     with_masks,
 )
@@ -93,6 +96,9 @@ __all__ = [
     "saves_as_keras",
     "train_writer",
     "Rows",
+    "OwnStep",
+    "splitting",
+    "current_step",
     "current",
     "replica",
     "install",
@@ -127,6 +133,7 @@ __all__ = [
     "masks_of",
     "metric_function",
     "per_row_keras_function",
+    "rowwise_loss",
     "print_msg",
     "resolve_auto_jit_compile",
     "resume_at_epoch",

@@ -5,8 +5,10 @@ masks.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras.src.backend.common import masking as keras_masking
+from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.trainers.compile_utils import CompileMetrics
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "with_masks",
     "from_adding_metric_module",
     "per_row_keras_function",
+    "rowwise_loss",
 ]
 
 
@@ -155,6 +158,31 @@ _ADDING_MODULES = tuple(
 def from_adding_metric_module(kind: type) -> bool:
     """Whether `kind` is one of Keras' metric classes from a module of adding metrics."""
     return kind.__module__ in _ADDING_MODULES
+
+
+#: Keras' loss functions that couple a batch's rows: a row's loss depends on the other rows.
+_COUPLING_LOSSES = frozenset({"dice", "tversky", "circle"})
+
+
+def rowwise_loss(model) -> bool:
+    """Whether each row's loss under `model`'s compiled loss depends on that row alone: the model
+    computes its loss as Keras does (no `compute_loss` of its own) with Keras' losses that give a
+    value per row, by name, class or function (Dice, Tversky and Circle couple the rows)."""
+    if type(model).compute_loss is not keras.Model.compute_loss:
+        return False
+    losses = tf.nest.flatten(compile_arguments(model).get("loss"))
+    return all(_rowwise(loss) for loss in losses if loss is not None)
+
+
+def _rowwise(loss) -> bool:
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if isinstance(loss, LossFunctionWrapper):
+        return type(loss).__module__ == LossFunctionWrapper.__module__ and _rowwise(loss.fn)
+    if isinstance(loss, keras.losses.Loss):
+        return False  # a loss class of the user's own
+    module, name = getattr(loss, "__module__", ""), getattr(loss, "__name__", "")
+    return module == LossFunctionWrapper.__module__ and name not in _COUPLING_LOSSES
 
 
 def per_row_keras_function(fn) -> bool:

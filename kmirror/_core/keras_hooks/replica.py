@@ -63,7 +63,7 @@ def _reduce_weighted_values(
     """
     rows = current()
     reduction = keras_loss.standardize_reduction(reduction)
-    if rows is None or reduction == "none" or tuple(values.shape) == ():
+    if rows is None or rows.whole or reduction == "none" or tuple(values.shape) == ():
         return _ORIGINAL["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
     values = ops.convert_to_tensor(values, dtype=dtype)
     if sample_weight is not None:
@@ -113,8 +113,10 @@ def _compute_moments_sync(x, axes, keepdims):
     """Mean and variance of the global batch, computed as `tf.nn.moments` computes them on one
     device (mean first, then the mean squared difference), with sums over every replica."""
     rows = current()
-    if rows is None:
+    if rows is None or rows.whole:
         return _ORIGINAL["_compute_moments_sync"](x, axes, keepdims)
+    if rows.padded:  # a replica without rows computed on one row of the batch: not its own
+        x = x[: rows.count]
     count = _global_count(x, axes, rows)
     mean = tf.math.divide_no_nan(rows.all_sum(tf.reduce_sum(x, axis=axes, keepdims=True)), count)
     squared = tf.math.squared_difference(x, tf.stop_gradient(mean))
@@ -140,7 +142,7 @@ def _global_count(x, axes, rows: Rows) -> tf.Tensor:
 
 def _batch_norm_moments(layer, inputs, mask):
     rows = current()
-    if rows is None or mask is not None or not rows.global_statistics:
+    if rows is None or rows.whole or mask is not None or not rows.global_statistics:
         return _ORIGINAL["_moments"](layer, inputs, mask)
     return ops.moments(inputs, axes=layer._reduction_axes, synchronized=True)
 
@@ -175,7 +177,7 @@ def _drawing(name: str):
 
     def draw(shape, *args, **kwargs):
         rows = current()
-        if rows is None:
+        if rows is None or rows.whole:
             return original(shape, *args, **kwargs)
         wide, place = _global_shape(shape, rows)
         return _rows_of(original(wide, *args, **kwargs), place)
@@ -186,7 +188,7 @@ def _drawing(name: str):
 
 def _dropout(inputs, rate, noise_shape=None, seed=None):
     rows = current()
-    if rows is None:
+    if rows is None or rows.whole:
         return _ORIGINAL["dropout"](inputs, rate, noise_shape=noise_shape, seed=seed)
     inputs = tf.convert_to_tensor(inputs)
     noise_shape = keras_random._get_concrete_noise_shape(inputs, noise_shape)
@@ -195,6 +197,15 @@ def _dropout(inputs, rate, noise_shape=None, seed=None):
     kept = _ORIGINAL["dropout"](tf.ones(wide, inputs.dtype), rate, seed=seed)
     kept = _rows_of(kept, place)
     return tf.where(tf.not_equal(kept, 0), inputs * kept, tf.zeros_like(inputs))
+
+
+def _draw_seed(seed):
+    """Keras' seed of a draw. A draw with no seed takes Keras' global seed generator's next seed
+    once for every replica, in cross-replica context: one device's seed, drawn once."""
+    context = tf.distribute.get_replica_context() if seed is None else None
+    if context is None or current() is None:
+        return _ORIGINAL["draw_seed"](seed)
+    return context.merge_call(lambda _: _ORIGINAL["draw_seed"](None))
 
 
 # -- installing ------------------------------------------------------------------------------------
@@ -215,6 +226,7 @@ def install() -> None:
             (keras_nn, "_compute_moments_sync", _compute_moments_sync),
             (BatchNormalization, "_moments", _batch_norm_moments),
             (keras_random, "dropout", _dropout),
+            (keras_random, "draw_seed", _draw_seed),
         ]
         for module, name, _ in targets:
             _ORIGINAL[name] = getattr(module, name)

@@ -3,10 +3,8 @@ sums a value with the other replicas'."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import tensorflow as tf
 
@@ -22,13 +20,12 @@ class Rows:
     total: tf.Tensor  # rows of the global batch
     all_sum: Callable[[tf.Tensor], tf.Tensor]  # sum over every replica (replica context)
     global_statistics: bool = True  # BatchNormalization over the global batch
-    #: In a model's own step: sums gradients over every replica (replica context), and joins
-    #: every replica's rows of a tensor in row order.
-    reduce_gradients: Callable[[list], list] | None = None
-    all_gather: Callable[[tf.Tensor], tf.Tensor] | None = None
-    #: The scope variables made during the step (an optimizer's, on its first update) need.
-    variable_scope: Callable[[], contextlib.AbstractContextManager] | None = None
-    data: Any = None  # in a model's own step: the replica's rows (inputs, targets, weights)
+    #: The step computes on the whole batch here (a model's own step, outside its layer calls):
+    #: Keras decides losses, statistics and draws as on one device.
+    whole: bool = False
+    #: Where the replica has no rows, its layers computed on one row of the batch instead (in
+    #: a model's own step): only the first `count` rows are its own.
+    padded: bool = False
 
     def share(self, dtype) -> tf.Tensor:
         """This replica's fraction of the global batch's rows."""

@@ -1,0 +1,227 @@
+"""Models with their own train_step: kmirror against native MirroredStrategy running the same step.
+
+Two programs of keras.io's generative and self-supervised half, each the same Keras model class on
+both sides, on 2 simulated devices:
+
+- `dcgan`: a DCGAN-like step (64x64x3 images, batch 64): a convolutional generator and
+  discriminator, two optimizers, two gradient steps per batch;
+- `simclr`: a SimCLR-like contrastive step (batch 64): two noisy views through an encoder, an
+  InfoNCE loss over every row of the batch.
+
+kmirror runs the step on the whole batch on every replica, each layer call on the replica's rows
+(the step computes what one device computes); native MirroredStrategy runs it on each replica's
+rows and sums the gradients (each replica's contrastive loss then sees its rows only).
+
+Time: both fit in one process on the same devices, interleaved rounds, medians. Peak memory: the
+peak of TensorFlow's allocator for tensors, each side in its own child process
+(`TF_CPU_ALLOCATOR_USE_BFC=true`), the median of `--memory-runs` children each.
+
+Writes `"own_step": {"dcgan": {"time": r, "peak_memory": r, ...}, "simclr": {...}}` to
+benchmarks/results.json.
+
+    python benchmarks/bench_own_step.py [--devices 2] [--rounds 3] [--batches 4] [--memory-runs 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+BATCH, SIZE, LATENT = 64, 64, 64
+SIDES = ("kmirror", "native")
+PROGRAMS = ("dcgan", "simclr")
+
+
+def dcgan():
+    import keras
+    import tensorflow as tf
+    from keras import layers as L
+    from keras import ops
+
+    class GAN(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.generator = keras.Sequential(
+                [keras.Input((LATENT,)), L.Dense(8 * 8 * 64), L.Reshape((8, 8, 64))]
+                + [
+                    L.Conv2DTranspose(c, 4, strides=2, padding="same", activation="relu")
+                    for c in (64, 32)
+                ]
+                + [L.Conv2DTranspose(3, 4, strides=2, padding="same", activation="sigmoid")]
+            )
+            self.discriminator = keras.Sequential(
+                [keras.Input((SIZE, SIZE, 3))]
+                + [
+                    L.Conv2D(c, 4, strides=2, padding="same", activation="relu")
+                    for c in (32, 64, 64)
+                ]
+                + [L.Flatten(), L.Dense(1)]
+            )
+            self.seed_generator = keras.random.SeedGenerator(1)
+
+        def compile(self):
+            super().compile()
+            self.d_optimizer = keras.optimizers.Adam(2e-4)
+            self.g_optimizer = keras.optimizers.Adam(2e-4)
+            self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+        def train_step(self, real):
+            real = real[0] if isinstance(real, tuple) else real
+            rows = ops.shape(real)[0]
+            noise = keras.random.normal((rows, LATENT), seed=self.seed_generator)
+            labels = ops.concatenate([ops.ones((rows, 1)), ops.zeros((rows, 1))], axis=0)
+            with tf.GradientTape() as tape:
+                both = ops.concatenate([self.generator(noise), real], axis=0)
+                d_loss = self.loss_fn(labels, self.discriminator(both))
+            variables = self.discriminator.trainable_weights
+            self.d_optimizer.apply_gradients(zip(tape.gradient(d_loss, variables), variables))
+            with tf.GradientTape() as tape:
+                fake = self.discriminator(self.generator(noise))
+                g_loss = self.loss_fn(ops.zeros((rows, 1)), fake)
+            variables = self.generator.trainable_weights
+            self.g_optimizer.apply_gradients(zip(tape.gradient(g_loss, variables), variables))
+            return {"d_loss": d_loss, "g_loss": g_loss}
+
+    keras.utils.set_random_seed(0)
+    model = GAN()
+    model.compile()
+    return model
+
+
+def simclr():
+    import keras
+    import tensorflow as tf
+    from keras import layers as L
+    from keras import ops
+
+    class Contrastive(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.augmenter = keras.Sequential([keras.Input((32, 32, 3)), L.GaussianNoise(0.1)])
+            self.encoder = keras.Sequential(
+                [keras.Input((32, 32, 3))]
+                + [L.Conv2D(c, 3, strides=2, padding="same", activation="relu") for c in (32, 64)]
+                + [L.GlobalAveragePooling2D(), L.Dense(128, activation="relu"), L.Dense(64)]
+            )
+
+        def train_step(self, data):
+            x = data[0] if isinstance(data, tuple) else data
+            with tf.GradientTape() as tape:
+                views = [self.augmenter(x, training=True) for _ in range(2)]
+                z = ops.normalize(self.encoder(ops.concatenate(views, axis=0)), axis=1)
+                rows = ops.shape(x)[0]
+                logits = ops.matmul(z, ops.transpose(z)) / 0.1 - 1e9 * ops.eye(2 * rows)
+                pairs = ops.concatenate([ops.arange(rows, 2 * rows), ops.arange(0, rows)], axis=0)
+                loss = ops.mean(
+                    keras.losses.sparse_categorical_crossentropy(pairs, logits, from_logits=True)
+                )
+            variables = self.encoder.trainable_weights
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return {"loss": loss}
+
+    keras.utils.set_random_seed(0)
+    model = Contrastive()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return model
+
+
+def data(program: str, batches: int):
+    import numpy as np
+
+    size = SIZE if program == "dcgan" else 32
+    x = np.random.default_rng(0).uniform(size=(batches * BATCH, size, size, 3)).astype("float32")
+    return x, None
+
+
+def build(program: str, side: str, devices):
+    import tensorflow as tf
+
+    import kmirror
+
+    make = dcgan if program == "dcgan" else simclr
+    if side == "kmirror":
+        return kmirror.wrap(make(), reducer="hierarchical_copy", devices=devices)
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()
+    )
+    with strategy.scope():
+        return make()
+
+
+def child(program: str, side: str, devices: int, batches: int) -> None:
+    """Trains one side for 2 epochs and prints its peak tensor memory (MiB) as JSON."""
+    import kmirror
+
+    simulated = kmirror.devices.simulate(devices)
+    model = build(program, side, simulated)
+    x, y = data(program, batches)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    common.print_peak_memory(tensor_peak_mib=common.tensor_peak_mib(simulated))
+
+
+def peak(program: str, side: str, devices: int, batches: int, runs: int) -> float:
+    arguments = ["--child", side, "--program", program]
+    arguments += ["--devices", str(devices), "--batches", str(batches)]
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    measured = [
+        common.measured_in_child(__file__, arguments, timeout=900, env=env)["tensor_peak_mib"]
+        for _ in range(runs)
+    ]
+    return statistics.median(measured)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--memory-runs", type=int, default=1)
+    parser.add_argument("--child", choices=SIDES)
+    parser.add_argument("--program", choices=PROGRAMS, default="dcgan")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.program, args.child, args.devices, args.batches)
+
+    memory = {
+        (program, side): peak(program, side, args.devices, args.batches, args.memory_runs)
+        for program in PROGRAMS
+        for side in SIDES
+    }
+
+    import kmirror
+
+    devices = kmirror.devices.simulate(args.devices)
+    result = {"replicas": args.devices, "batch": BATCH, "machine": common.machine()}
+    for program in PROGRAMS:
+        x, y = data(program, args.batches)
+        sides = {side: build(program, side, devices) for side in SIDES}
+        for model in sides.values():  # warm-up: tracing
+            common.seconds_per_step(model, x, y, BATCH)
+        medians = common.interleaved(
+            {
+                s: (lambda m=m, x=x, y=y: common.seconds_per_step(m, x, y, BATCH))
+                for s, m in sides.items()
+            },
+            rounds=args.rounds,
+        )
+        result[program] = {
+            "time": round(medians["kmirror"] / medians["native"], 4),
+            "peak_memory": round(memory[program, "kmirror"] / memory[program, "native"], 4),
+            "kmirror_ms_per_step": round(1e3 * medians["kmirror"], 2),
+            "native_ms_per_step": round(1e3 * medians["native"], 2),
+            **{f"{side}_peak_mib": round(memory[program, side], 1) for side in SIDES},
+        }
+    print(result)
+    common.update_results("own_step", result)
+    print(f"wrote {common.RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""A layer call inside a model's own step: the replica's rows in, the whole batch's output out.
+
+In a model's own step every replica holds the whole global batch, and everything the step
+computes outside its models' layers (losses, logs, metric arguments, draws) is one device's value.
+A layer call made by the step runs on the replica's rows of its inputs (`Split.rows`) and gives
+the output of the whole batch (`Split.joined`):
+
+- forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of each input, by that input's
+  own row count `B`; the replicas' outputs are joined in replica order (the row order);
+- backward: a joined output's gradient is this replica's rows of the gradient coming back; an
+  input's gradient is every replica's rows of it, joined. Each is the other's gradient, so a
+  gradient of a gradient (a gradient penalty) is split and joined the same way.
+
+So every gradient of a value that is not a weight is one device's on every replica, and a weight's
+gradient is the part its replica's rows give: the sum over the replicas is one device's gradient.
+
+A replica without rows in a call computes on one row of the batch instead (TensorFlow's kernels
+for an empty batch may return uninitialised memory: `tests/test_empty_rows.py`). That row is
+left out of the joined output, and its gradient coming back is 0: it changes no weight's sum.
+
+Example:
+
+```python
+split = Split.of(x, index, count, gather)   # in replica context
+y = split.joined(layer(split.rows(x)))      # y: the whole batch's output, as on one device
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+__all__ = ["Split"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where this replica's rows of a call's batch of `total` rows sit."""
+
+    start: tf.Tensor  # this replica's first row
+    count: tf.Tensor  # its rows (may be 0)
+    total: tf.Tensor  # the call's rows
+    #: The rows it computes on: its own, or one row of the batch where it has none.
+    first: tf.Tensor
+    computed: tf.Tensor
+    gather: Callable[[tf.Tensor], tf.Tensor]  # every replica's rows joined, in replica order
+    #: The replicas: a weight's gradient from a call is this many times its rows' part.
+    replicas: int
+
+    @classmethod
+    def of(cls, tensor, index, replicas: int, gather: Callable) -> Split:
+        """Replica `index` of `replicas`' place in the rows of `tensor`."""
+        total = tf.shape(tensor)[0]
+        index = tf.cast(index, total.dtype)
+        start, stop = total * index // replicas, total * (index + 1) // replicas
+        count = stop - start
+        computed = tf.maximum(count, tf.minimum(total, 1))
+        first = tf.minimum(start, tf.maximum(total - computed, 0))
+        return cls(start, count, total, first, computed, gather, replicas)
+
+    def rows(self, tensor):
+        """The rows of `tensor` this replica computes on."""
+        if not _differentiable(tensor):
+            return tensor[self.first : self.first + self.computed]
+        return self._rows(tensor, dummy=True)
+
+    def joined(self, tensor):
+        """Every replica's rows of `tensor` (computed from `rows`), joined in row order."""
+        if not _differentiable(tensor):
+            return self.gather(tensor[: self.count])
+        total = self.gather(tf.stop_gradient(tensor[: self.count]))
+
+        # The join is computed outside the custom gradient: TensorFlow walks the graph from a
+        # custom gradient's outputs back to its inputs, and a join's inputs are every replica's.
+        @tf.custom_gradient
+        def join(tensor, total):
+            return tf.identity(total), lambda upstream: (
+                self._rows(self._times(upstream, 1), False),
+                None,
+            )
+
+        return join(tensor, total)
+
+    def _rows(self, tensor, dummy: bool):
+        """This replica's rows of the whole batch's `tensor`. Where it has no rows: one row of
+        the batch (`dummy`: the forward input), or a row of zeros (a gradient coming back)."""
+
+        @tf.custom_gradient
+        def rows(tensor):
+            tensor = tf.convert_to_tensor(tensor)
+            if dummy:
+                taken = tensor[self.first : self.first + self.computed]
+            else:
+                own = tensor[self.start : self.start + self.count]
+                padding = [[0, self.computed - self.count]] + [[0, 0]] * (tensor.shape.rank - 1)
+                taken = tf.pad(own, padding)
+            return tf.identity(taken), lambda upstream: self._times(self.joined(upstream), -1)
+
+        return rows(tensor)
+
+    def _times(self, tensor, power: int):
+        """`tensor` times the replica count (power 1) or divided by it (power -1)."""
+        tensor = tf.convert_to_tensor(tensor)
+        factor = tf.cast(self.replicas, tensor.dtype)
+        return tensor * factor if power > 0 else tensor / factor
+
+
+def _differentiable(tensor) -> bool:
+    return tensor.dtype.is_floating or tensor.dtype.is_complex

@@ -1,0 +1,150 @@
+"""While a model's own step runs on a replica: the step's layer calls compute on its rows.
+
+`splitting(own)` makes each Keras layer call that the step itself makes (a call from no other
+layer's call: `self.generator(noise)`, `self(x, training=True)`) run on this replica's rows of
+its inputs, and return the whole batch's output (`_core.global_batch`). Inside such a call,
+Keras decides BatchNormalization's statistics and random draws over the call's whole batch, as in
+kmirror's own step (`replica`), and the state the call writes is recorded for its combination
+over the replicas (`OwnStep.recording`). Outside the calls the step computes as one device on the
+whole batch: Keras' losses are its own.
+
+Every call goes through `keras.Layer.__call__` (a `Model` is a layer; a layer class that defines
+its own `__call__`, as Keras' preprocessing layers do, ends in it): it is replaced once, and acts
+as Keras' own on every other thread and outside a step. Checked on Keras 3.15.1 and 3.12.4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src import backend
+from keras.src.layers.layer import Layer
+
+from kmirror._core.global_batch import Split
+from kmirror._core.keras_hooks.replica import replica
+from kmirror._core.keras_hooks.rows import Rows
+
+__all__ = ["OwnStep", "splitting", "current_step"]
+
+
+@dataclass
+class OwnStep:
+    """A replica running a model's own step on the whole global batch."""
+
+    index: tf.Tensor  # this replica among all the job's replicas
+    replicas: int
+    all_gather: Callable[[tf.Tensor], tf.Tensor]  # every replica's rows, in replica order
+    all_sum: Callable[[tf.Tensor], tf.Tensor]
+    reduce_gradients: Callable[[list], list]  # summed over the replicas, in replica context
+    variable_scope: Callable[[], contextlib.AbstractContextManager]
+    #: The block whose writes to the model's state are recorded (a call's pass on its rows),
+    #: given whether the replica has rows in the call.
+    recording: Callable[[tf.Tensor], contextlib.AbstractContextManager] = lambda has_rows: (
+        contextlib.nullcontext()
+    )
+    global_statistics: bool = True
+    #: The replica's rows of every call's inputs: an embedding looked up with indices computed
+    #: from them is looked up per row (`_core.sparse_gradients`).
+    split_inputs: list = field(default_factory=list)
+
+
+_state = threading.local()  # tf.distribute runs each replica in a thread of its own
+_original: dict[str, Callable] = {}
+_install_lock = threading.Lock()
+
+
+def current_step() -> OwnStep | None:
+    """The own step running on this thread, or None."""
+    return getattr(_state, "step", None)
+
+
+@contextlib.contextmanager
+def splitting(own: OwnStep) -> Iterator[None]:
+    """Within this block (on this thread) the step's layer calls compute on the replica's rows,
+    and the step itself computes as one device (`Rows.whole`)."""
+    _install()
+    previous = current_step(), getattr(_state, "inside", False)
+    _state.step, _state.inside = own, False
+    whole = Rows(start=0, count=0, total=0, all_sum=own.all_sum, whole=True)
+    try:
+        with replica(whole):
+            yield
+    finally:
+        _state.step, _state.inside = previous
+
+
+def _call(layer, *args, **kwargs):
+    own = current_step()
+    if own is None or _state.inside:
+        return _original["__call__"](layer, *args, **kwargs)
+    leaves = tf.nest.flatten((args, kwargs))
+    batched = [t for t in leaves if _batched(t)]
+    if not batched:
+        return _original["__call__"](layer, *args, **kwargs)
+    split = Split.of(_tensor(batched[0]), own.index, own.replicas, own.all_gather)
+    splits = {id(t): Split.of(_tensor(t), own.index, own.replicas, own.all_gather) for t in batched}
+
+    def rows(leaf):
+        if not _batched(leaf):
+            return leaf
+        taken = splits[id(leaf)].rows(_tensor(leaf))
+        own.split_inputs.append(taken)
+        return taken
+
+    args, kwargs = tf.nest.map_structure(rows, (args, kwargs))
+    call_rows = Rows(
+        start=split.start,
+        count=split.count,
+        total=split.total,
+        all_sum=own.all_sum,
+        global_statistics=own.global_statistics,
+        padded=True,
+    )
+    _state.inside = True
+    try:
+        with replica(call_rows), own.recording(split.count > 0):
+            outputs = _original["__call__"](layer, *args, **kwargs)
+    finally:
+        _state.inside = False
+    return tf.nest.map_structure(lambda output: _joined(output, split, own), outputs)
+
+
+def _batched(leaf) -> bool:
+    """Whether a call's argument holds rows (a tensor or array of rank 1 or more)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.ndim > 0
+    variable = isinstance(leaf, tf.Variable | keras.Variable)
+    return tf.is_tensor(leaf) and not variable and leaf.shape.rank != 0
+
+
+def _tensor(leaf):
+    return tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray) else leaf
+
+
+def _joined(output, split: Split, own: OwnStep):
+    if not tf.is_tensor(output):
+        return output
+    if output.shape.rank == 0:
+        raise ValueError(
+            "kmirror: a layer called in the model's own step returned a scalar, which its replicas "
+            "compute from their rows only and cannot join into the whole batch's value. Return "
+            "one value per row from the layer, and reduce over the rows in the step."
+        )
+    mask = backend.get_keras_mask(output)
+    joined = split.joined(output)
+    if mask is not None:
+        backend.set_keras_mask(joined, split.joined(mask))
+    return joined
+
+
+def _install() -> None:
+    with _install_lock:
+        if not _original:
+            _original["__call__"] = Layer.__call__
+            Layer.__call__ = _call

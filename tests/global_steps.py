@@ -1,0 +1,408 @@
+"""Own steps that compute from the whole batch, as generative and self-supervised programs do: each
+builder returns a compiled model in float64, seeded, whose step uses what one device computes
+from the global batch (tests/features.py lists them in the exactness matrix).
+
+- `raw_logs`: a critic and a generator (WGAN style) whose step returns raw tensors as its logs;
+- `batch_norm_step`: BatchNormalization in a model called from an own step, on uneven rows;
+- `per_row_loss`: the gradient of a vector of per-row losses (the gradient of their sum);
+- `info_nce`: a contrastive loss over two noisy views: every row's softmax over every row;
+- `global_draw`: noise drawn for the global batch's size, fixed when the model is made;
+- `uneven_metric`: a metric updated with arguments of different row counts (real and generated).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import layers as L
+from keras import ops
+from real_models import precision
+
+FLOATX = "float64"
+ROWS, WIDTH, LATENT = 101, 6, 3
+
+
+def unlabelled(seed: int = 8, rows: int = ROWS):
+    x = np.random.default_rng(seed).normal(size=(rows, WIDTH))
+    return x, None, None
+
+
+def labelled():
+    x, _, _ = unlabelled()
+    y = x @ np.linspace(-1, 1, WIDTH * 2).reshape(WIDTH, 2)
+    return x, y, None
+
+
+class RawLogs(keras.Model):
+    """A critic and a generator trained in turn; the step returns its raw tensors as logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(1)])
+        self.generator = keras.Sequential(
+            [keras.Input((LATENT,)), L.Dense(8, "tanh"), L.Dense(WIDTH)]
+        )
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def compile(self):
+        super().compile()
+        self.c_optimizer = keras.optimizers.Adam(0.01)
+        self.g_optimizer = keras.optimizers.SGD(0.05)
+
+    def train_step(self, data):
+        real = data[0] if isinstance(data, tuple) else data
+        rows = ops.shape(real)[0]
+        noise = keras.random.normal((rows, LATENT), seed=self.seed_generator, dtype=FLOATX)
+        with tf.GradientTape() as tape:
+            critic_real = self.critic(real)
+            c_loss = ops.mean(self.critic(self.generator(noise))) - ops.mean(critic_real)
+        grads = tape.gradient(c_loss, self.critic.trainable_weights)
+        self.c_optimizer.apply_gradients(zip(grads, self.critic.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = -ops.mean(self.critic(self.generator(noise)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"c_loss": c_loss, "g_loss": g_loss, "critic_real": ops.mean(critic_real, axis=0)[0]}
+
+
+def raw_logs():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = RawLogs()
+        model.compile()
+    return model
+
+
+class GuideStep(keras.Sequential):
+    """The Keras guide's own train_step, its loss a mean it computes itself."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = ops.mean(ops.square(y_pred - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def batch_norm_step():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = GuideStep(
+            [
+                keras.Input((WIDTH,)),
+                L.Dense(8),
+                L.BatchNormalization(),
+                L.Activation("tanh"),
+                L.Dense(2),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+class PerRowLoss(keras.Sequential):
+    """A step whose loss is one value per row: its gradient is the gradient of their sum."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            losses = keras.losses.mean_squared_error(y, self(x, training=True))
+        grads = tape.gradient(losses, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": ops.mean(losses)}
+
+
+def per_row_loss():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = PerRowLoss([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.001))
+    return model
+
+
+class InfoNCE(keras.Model):
+    """Two noisy views of each row; each row's view must pick its other view among every view."""
+
+    def __init__(self):
+        super().__init__()
+        self.augment = keras.Sequential([keras.Input((WIDTH,)), L.GaussianNoise(0.3, seed=5)])
+        self.encoder = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "relu"), L.Dense(4)])
+
+    def train_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        with tf.GradientTape() as tape:
+            views = [self.augment(x, training=True) for _ in range(2)]
+            z = ops.normalize(self.encoder(ops.concatenate(views, axis=0)), axis=1)
+            rows = ops.shape(x)[0]
+            similarity = ops.matmul(z, ops.transpose(z)) / 0.2 - 1e9 * ops.eye(
+                2 * rows, dtype=z.dtype
+            )
+            labels = ops.concatenate([ops.arange(rows, 2 * rows), ops.arange(0, rows)], axis=0)
+            loss = ops.mean(
+                keras.losses.sparse_categorical_crossentropy(labels, similarity, from_logits=True)
+            )
+        grads = tape.gradient(loss, self.encoder.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.encoder.trainable_weights))
+        return {"loss": loss}
+
+
+def info_nce():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = InfoNCE()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+class GlobalDraw(RawLogs):
+    """The generator's noise drawn for a batch size fixed when the model is made (keras.io's
+    DDIM draws `(self.batch_size, ...)`)."""
+
+    batch_size = 33
+
+    def train_step(self, data):
+        noise = keras.random.normal(
+            (self.batch_size, LATENT), seed=self.seed_generator, dtype=FLOATX
+        )
+        with tf.GradientTape() as tape:
+            g_loss = ops.mean(ops.square(self.generator(noise) - ops.mean(data, axis=0)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"g_loss": g_loss}
+
+
+def global_draw():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = GlobalDraw()
+        model.compile()
+    return model
+
+
+def divisible():
+    return unlabelled(rows=99)  # batches of 33: the draw's size is every batch's
+
+
+class MeanDistance(keras.metrics.Metric):
+    """The distance between the means of two sets of rows of any sizes (KID's shape)."""
+
+    def __init__(self):
+        super().__init__(name="mean_distance", dtype=FLOATX)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, real, generated):
+        gap = ops.mean(real, axis=0) - ops.mean(generated, axis=0)
+        self.total.assign_add(ops.sqrt(ops.sum(ops.square(gap))))
+        self.count.assign_add(ops.cast(1, self.dtype))
+
+    def result(self):
+        return self.total / self.count
+
+
+class UnevenMetric(RawLogs):
+    """A generator step whose metric compares the batch's rows with twice as many generated."""
+
+    def compile(self):
+        super().compile()
+        self.distance = MeanDistance()
+
+    @property
+    def metrics(self):
+        return [self.distance]
+
+    def train_step(self, data):
+        rows = ops.shape(data)[0]
+        noise = keras.random.normal((2 * rows, LATENT), seed=self.seed_generator, dtype=FLOATX)
+        with tf.GradientTape() as tape:
+            generated = self.generator(noise)
+            g_loss = ops.mean(ops.square(ops.mean(generated, axis=0) - ops.mean(data, axis=0)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.distance.update_state(data, generated)
+        return {"g_loss": g_loss, "distance": self.distance.result()}
+
+
+def uneven_metric():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = UnevenMetric()
+        model.compile()
+    return model
+
+
+class ComputeLoss(keras.Sequential):
+    """The guide's step with the compiled loss (`compute_loss`: the loss and the weights'
+    regularisation, which reads the weights outside any layer call)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def regularised():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        dense = L.Dense(8, "tanh", kernel_regularizer=keras.regularizers.L2(0.05))
+        model = ComputeLoss([keras.Input((WIDTH,)), dense, L.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+class GradientPenalty(RawLogs):
+    """keras.io's WGAN-GP: the critic's loss holds the norm of its gradient at points between
+    real and generated rows (a gradient of a gradient)."""
+
+    def train_step(self, data):
+        rows = ops.shape(data)[0]
+        noise = keras.random.normal((rows, LATENT), seed=self.seed_generator, dtype=FLOATX)
+        mixing = keras.random.uniform((rows, 1), seed=self.seed_generator, dtype=FLOATX)
+        with tf.GradientTape() as tape:
+            generated = self.generator(noise)
+            between = mixing * data + (1 - mixing) * generated
+            with tf.GradientTape() as inner:
+                inner.watch(between)
+                critic = self.critic(between)
+            slopes = ops.sqrt(ops.sum(ops.square(inner.gradient(critic, between)), axis=1))
+            penalty = ops.mean(ops.square(slopes - 1))
+            c_loss = ops.mean(self.critic(generated)) - ops.mean(self.critic(data)) + penalty
+        variables = self.critic.trainable_weights
+        self.c_optimizer.apply_gradients(zip(tape.gradient(c_loss, variables), variables))
+        return {"c_loss": c_loss, "penalty": penalty}
+
+
+def gradient_penalty():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = GradientPenalty()
+        model.compile()
+    return model
+
+
+class SelfSupervised(keras.Model):
+    """keras.io's SimCLR pattern: sub-models without an `Input`, which Keras builds in the first
+    step; no `call()`; a compiled loss and metrics its steps never use; batches that zip unlabelled
+    rows with fewer labelled ones; a contrastive loss on the first, a linear probe on the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.augmenter = keras.Sequential([L.GaussianNoise(0.3, seed=5)])
+        self.encoder = keras.Sequential([L.Dense(8, "relu"), L.Dense(4)])
+        self.probe = keras.Sequential([L.Dense(2)])
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)  # no optimizer: Keras makes its default, which no step uses
+        self.c_optimizer = keras.optimizers.Adam(0.01)
+        self.p_optimizer = keras.optimizers.SGD(0.1)
+        self.c_loss = keras.metrics.Mean(name="c_loss")
+        self.p_loss = keras.metrics.Mean(name="p_loss")
+
+    @property
+    def metrics(self):
+        return [self.c_loss, self.p_loss]
+
+    def train_step(self, data):
+        unlabelled, (labelled, labels) = data
+        with tf.GradientTape() as tape:
+            views = [self.augmenter(unlabelled, training=True) for _ in range(2)]
+            z = ops.normalize(self.encoder(ops.concatenate(views, axis=0)), axis=1)
+            rows = ops.shape(unlabelled)[0]
+            similarity = ops.matmul(z, ops.transpose(z)) / 0.2 - 1e9 * ops.eye(
+                2 * rows, dtype=z.dtype
+            )
+            pairs = ops.concatenate([ops.arange(rows, 2 * rows), ops.arange(0, rows)], axis=0)
+            c_loss = ops.mean(
+                keras.losses.sparse_categorical_crossentropy(pairs, similarity, from_logits=True)
+            )
+        variables = self.encoder.trainable_weights
+        self.c_optimizer.apply_gradients(zip(tape.gradient(c_loss, variables), variables))
+        features = ops.stop_gradient(self.encoder(labelled))
+        with tf.GradientTape() as tape:
+            p_loss = ops.mean(ops.square(self.probe(features) - labels))
+        variables = self.probe.trainable_weights
+        self.p_optimizer.apply_gradients(zip(tape.gradient(p_loss, variables), variables))
+        self.c_loss.update_state(c_loss)
+        self.p_loss.update_state(p_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        labelled, labels = data
+        self.p_loss.update_state(ops.mean(ops.square(self.probe(self.encoder(labelled)) - labels)))
+        return {"p_loss": self.p_loss.result()}
+
+
+def self_supervised():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = SelfSupervised()
+        model.compile(loss="mse", metrics=["mae"])
+    return model
+
+
+def zipped():
+    """Batches of 35 unlabelled rows zipped with batches of 7 labelled ones (3 of each)."""
+    x, y, _ = labelled()
+    unlabelled = tf.data.Dataset.from_tensor_slices(x).batch(35)
+    pairs = tf.data.Dataset.from_tensor_slices((x[:21], y[:21])).batch(7)
+    return tf.data.Dataset.zip((unlabelled, pairs)), None, None
+
+
+def validation():
+    x, y, _ = labelled()
+    return x[-20:], y[-20:]
+
+
+class Unseeded(RawLogs):
+    """The generator's noise drawn with `keras.random` and no seed: Keras' global seed generator,
+    which Keras makes at the first such draw."""
+
+    def train_step(self, data):
+        noise = keras.random.normal((ops.shape(data)[0], LATENT), dtype=FLOATX)
+        with tf.GradientTape() as tape:
+            g_loss = ops.mean(ops.square(self.generator(noise) - data))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"g_loss": g_loss}
+
+
+def unseeded():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = Unseeded()
+        model.compile()
+    return model
+
+
+class SupervisedContrastive(keras.losses.Loss):
+    """keras.io's supervised contrastive loss: every row's softmax over its similarity to every
+    row of the batch, the rows of its class the targets (it overrides `__call__`, as there)."""
+
+    def __init__(self, temperature=0.5, name=None):
+        super().__init__(name=name)
+        self.temperature = temperature
+
+    def __call__(self, labels, features, sample_weight=None):
+        z = ops.normalize(features, axis=1)
+        logits = ops.matmul(z, ops.transpose(z)) / self.temperature
+        labels = ops.reshape(labels, (-1, 1))
+        same = ops.cast(ops.equal(labels, ops.transpose(labels)), logits.dtype)
+        targets = same / ops.sum(same, axis=1, keepdims=True)
+        return ops.mean(keras.losses.categorical_crossentropy(targets, logits, from_logits=True))
+
+
+def compiled_contrastive():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "relu"), L.Dense(4)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=SupervisedContrastive())
+    return model
+
+
+def classes():
+    x, _, _ = unlabelled()
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0), None
