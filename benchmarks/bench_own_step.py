@@ -152,7 +152,12 @@ def build(program: str, side: str, devices):
         devices, cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()
     )
     with strategy.scope():
-        return make()
+        model = make()
+        # Keras builds a model under a strategy symbolically, through its call(), which neither
+        # model has (kmirror builds them as one device does, from their first step).
+        model.built = True
+        model.optimizer.build(model.trainable_variables)
+        return model
 
 
 def child(program: str, side: str, devices: int, batches: int) -> None:

@@ -181,3 +181,31 @@ def test_a_tf_random_draw_in_the_step_is_named_in_a_warning(where, monkeypatch):
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     with pytest.warns(UserWarning, match="RandomUniform|RandomStandardNormal"):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+
+
+class BatchMean(keras.layers.Layer):
+    """A layer that returns one value for all its rows."""
+
+    def call(self, x):
+        return ops.mean(x)
+
+
+def test_a_layer_returning_a_scalar_to_an_own_step_is_refused_with_the_fix():
+    class ScalarStep(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = BatchMean()(self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    model = ScalarStep([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd")
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    before = model.get_weights()
+    x, y = dense_data()
+    with pytest.raises(ValueError, match="returned a scalar.*one value per row"):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -53,13 +53,13 @@ def test_every_keras_applications_family_wraps_in_place(family):
     assert all(tf_hooks.strategy_of(v.value) is None for v in state)
 
 
-CASES = [(name, n, reducer) for name in DEEP for n, reducer in ((2, "hierarchical_copy"),)]
-CASES += [(name, 3, "one_device") for name in DEEP]
+CASES = [(name, n, reducer) for name in DEEP for n, reducer in DEEP[name].replicas]
 
 
 @pytest.mark.parametrize("name, n, reducer", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_deep_model_trains_as_on_one_device(name, n, reducer):
-    """2 epochs of batches of 7 rows and a final batch of 5: not divisible by 2 or 3, uneven."""
+    """2 epochs of batches of 7 rows and a final batch smaller than 7: not divisible by 2 or 3,
+    uneven (`Deep.replicas`: the replica counts and reducers each model trains on)."""
     deep = DEEP[name]
     weights, history = deep_reference(name)
     with precision(deep.floatx):
