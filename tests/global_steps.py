@@ -73,8 +73,8 @@ def raw_logs():
     return model
 
 
-class GuideStep(keras.Sequential):
-    """The Keras guide's own train_step, its loss a mean it computes itself."""
+class MeanSquareStep(keras.Sequential):
+    """An own train_step whose loss is a mean it computes itself."""
 
     def train_step(self, data):
         x, y = data
@@ -89,7 +89,7 @@ class GuideStep(keras.Sequential):
 def batch_norm_step():
     keras.utils.set_random_seed(1)
     with precision(FLOATX):
-        model = GuideStep(
+        model = MeanSquareStep(
             [
                 keras.Input((WIDTH,)),
                 L.Dense(8),
