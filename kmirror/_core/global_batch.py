@@ -7,12 +7,15 @@ the output of the whole batch (`Split.joined`):
 
 - forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of each input, by that input's
   own row count `B`; the replicas' outputs are joined in replica order (the row order);
-- backward: a joined output's gradient is this replica's rows of the gradient coming back; an
-  input's gradient is every replica's rows of it, joined. Each is the other's gradient, so a
-  gradient of a gradient (a gradient penalty) is split and joined the same way.
+- backward: a joined output's gradient is this replica's rows of the gradient coming back, times
+  `n`; an input's gradient is every replica's rows of it, joined, divided by `n`. Each is the
+  other's gradient, so a gradient of a gradient (a gradient penalty) is split and joined the same
+  way.
 
 So every gradient of a value that is not a weight is one device's on every replica, and a weight's
-gradient is the part its replica's rows give: the sum over the replicas is one device's gradient.
+gradient from the calls is `n` times the part its replica's rows give. What the step computes
+from a weight outside the calls (a regulariser) gives the weight its whole gradient on every
+replica: the sum over the replicas, divided by `n` (`_core.own_step`), is one device's gradient.
 
 A replica without rows in a call computes on one row of the batch instead (TensorFlow's kernels
 for an empty batch may return uninitialised memory: `tests/test_empty_rows.py`). That row is
