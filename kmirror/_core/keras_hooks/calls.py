@@ -87,8 +87,8 @@ def _call(layer, *args, **kwargs):
     batched = [t for t in leaves if _batched(t)]
     if not batched:
         return _original["__call__"](layer, *args, **kwargs)
-    split = Split.of(_tensor(batched[0]), own.index, own.replicas, own.all_gather)
     splits = {id(t): Split.of(_tensor(t), own.index, own.replicas, own.all_gather) for t in batched}
+    split = splits[id(batched[0])]  # the call's rows: its first input's
 
     def rows(leaf):
         if not _batched(leaf):
