@@ -14,7 +14,15 @@ import numpy as np
 import tensorflow as tf
 from keras import layers as L
 from keras import ops
-from models import BATCH, N_SAMPLES, dense_data, multi_io_data, multi_io_model, optimizer
+from models import (
+    BATCH,
+    N_SAMPLES,
+    assert_same_history,
+    dense_data,
+    multi_io_data,
+    multi_io_model,
+    optimizer,
+)
 from own_steps import (
     GuideStep,
     custom_layer,
@@ -454,8 +462,28 @@ FEATURES = {
             ("own_step_gradient_penalty", global_steps.gradient_penalty, global_steps.unlabelled),
             ("compiled_contrastive", global_steps.compiled_contrastive, global_steps.classes),
             ("own_step_unseeded", global_steps.unseeded, global_steps.unlabelled),
+            (
+                "compiled_coupled_losses",
+                global_steps.coupled_losses,
+                global_steps.masks_and_classes,
+            ),
+            (
+                "compiled_coupled_metrics",
+                lambda: global_steps.coupled_losses(coupled=False),
+                global_steps.masks_and_classes,
+            ),
         ]
     },
+    "random_crop": Feature(
+        global_steps.random_crop, global_steps.pictures, tolerance=1e-10, floatx="float64"
+    ),
+    "reshuffled_py_dataset": Feature(
+        global_steps.reshuffled_model,
+        global_steps.reshuffled,
+        tolerance=1e-10,
+        floatx="float64",
+        validation=global_steps.reshuffled_validation,
+    ),
     "own_step_self_supervised": Feature(
         global_steps.self_supervised,
         global_steps.zipped,
@@ -496,6 +524,16 @@ TRANSFORMER_VARIANTS = {
 }
 
 
+def assert_same_logs(feature: Feature, expected: dict, actual: dict) -> None:
+    """Every logged value as one device logs it: to the weights' tolerance in float64; to 1e-4
+    relative in float32 (a logged mean of float32 values summed in another order)."""
+    assert list(actual) == list(expected), "metric names as on one device"
+    if feature.floatx == "float64":
+        assert_same_history(expected, actual, rtol=feature.tolerance, atol=feature.tolerance)
+    else:
+        assert_same_history(expected, actual, rtol=1e-4)
+
+
 def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
     with precision(feature.floatx):
         return _fit(model, feature, epochs)
@@ -503,7 +541,7 @@ def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
 
 def _fit(model: keras.Model, feature: Feature, epochs: int) -> dict:
     x, y, sample_weight = feature.data()
-    batched = isinstance(x, tf.data.Dataset)
+    batched = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
     history = model.fit(
         x,
         y,

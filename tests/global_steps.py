@@ -410,3 +410,104 @@ def compiled_contrastive():
 def classes():
     x, _, _ = unlabelled()
     return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0), None
+
+
+def coupled_losses(coupled: bool = True):
+    """Keras' own losses and metrics that couple a batch's rows: Dice and Tversky as metrics of a
+    sigmoid output, and (`coupled`) Dice as its loss and Circle as the loss of an embedding of the
+    same rows; else losses of one row each (the compiled step, whose metrics must still see the
+    whole batch)."""
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        inputs = keras.Input((WIDTH,))
+        hidden = L.Dense(8, "tanh")(inputs)
+        mask = L.Dense(4, "sigmoid", name="mask")(hidden)
+        embedding = L.Dense(3, name="embedding")(hidden)
+        model = keras.Model(inputs, {"mask": mask, "embedding": embedding})
+        losses = (
+            {"mask": keras.losses.Dice(), "embedding": keras.losses.Circle()}
+            if coupled
+            else {
+                "mask": "binary_crossentropy",
+                "embedding": keras.losses.SparseCategoricalCrossentropy(True),
+            }
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=losses,
+            metrics={
+                "mask": [
+                    keras.metrics.MeanMetricWrapper(keras.losses.dice, name="dice"),
+                    keras.metrics.MeanMetricWrapper(keras.losses.tversky, name="tversky"),
+                ]
+            },
+        )
+    return model
+
+
+def masks_and_classes():
+    """Per row, a mask of 4 cells and a class (of 3)."""
+    x, classes_, _ = classes()
+    mask = (x[:, :4] > 0).astype(FLOATX)
+    return x, {"mask": mask, "embedding": classes_}, None
+
+
+def random_crop():
+    """Keras' RandomCrop in training mode: one crop offset per batch (a draw of shape `()`)."""
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 2)),
+                L.RandomCrop(4, 4, seed=2),
+                L.Conv2D(3, 3),
+                L.GlobalAveragePooling2D(),
+                L.Dense(2),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def pictures():
+    x = np.random.default_rng(4).normal(size=(ROWS, 6, 6, 2))
+    return x, x[:, :2, :2, 0].reshape(ROWS, 4)[:, :2], None
+
+
+class Reshuffled(keras.utils.PyDataset):
+    """keras.io's pattern: a PyDataset that reshuffles its rows in `on_epoch_end` with its own
+    generator (Keras calls it once before the first pass of fit, and before each validation)."""
+
+    def __init__(self, x, y, seed, batch_size=33):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        order = self.rng.permutation(len(self.x))
+        self.x, self.y = self.x[order], self.y[order]
+
+
+def reshuffled_model():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def reshuffled():
+    x, y, _ = labelled()
+    return Reshuffled(x, y, seed=1), None, None
+
+
+def reshuffled_validation():
+    x, y, _ = labelled()
+    return Reshuffled(x[:40], y[:40], seed=2)

@@ -35,6 +35,7 @@ if REDUCER == "ring":
         kmirror.devices.simulate(OPTIONS.devices)
     kmirror.cluster.connect()
 
+import global_steps  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from features import FEATURES, MULTI_PROCESS, rows_seen  # noqa: E402
@@ -201,6 +202,19 @@ def run_sharded_input(results, seed):
             "loaded": list(loaded),
             "evaluate": evaluate,
         }
+    # A model's own train_step on kmirror.data.shard's dataset: the step sees the global batch,
+    # joined from the processes' rows (BatchNormalization on uneven rows, float64).
+    xs, ys, _ = global_steps.labelled()
+    with precision(global_steps.FLOATX):
+        model = kmirror.wrap(global_steps.batch_norm_step(), reducer=REDUCER)
+        data = kmirror.data.shard(
+            tf.data.Dataset.range(len(xs)),
+            BATCH,
+            map_fn=lambda i: (tf.gather(xs, i), tf.gather(ys, i)),
+        )
+        history = model.fit(data, epochs=EPOCHS, verbose=0).history
+    results["own step, shard"] = {"weights": model.get_weights(), "history": history}
+
     # A RowDataset: each process loads its rows of each batch.
     rows = Rows(x, y)
     model = kmirror.wrap(dense_model("sgd", seed=seed), reducer=REDUCER)

@@ -2,6 +2,7 @@
 was and usable: a wrap that fails does not touch it, and an error in training leaves it as the
 last step before the error left it."""
 
+import re
 import subprocess
 import sys
 
@@ -143,6 +144,54 @@ def test_fit_before_compile_says_compile():
         wrapped.fit(x, y, verbose=0)
     with pytest.raises(ValueError, match=r"must be compiled before `evaluate\(\)`"):
         wrapped.evaluate(x, y, verbose=0)
+
+
+@pytest.mark.parametrize("batch_size", [-3, 0, 2.5, True])
+def test_a_batch_size_that_is_not_a_count_is_named_before_anything_moves(model, batch_size):
+    x, y = dense_data()
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    match = f"batch_size={batch_size!r}: give a whole number >= 1"
+    with pytest.raises(ValueError, match=re.escape(match)):
+        wrapped.fit(x, y, batch_size=batch_size, verbose=0)
+    with pytest.raises(ValueError, match=re.escape("validation_" + match)):
+        wrapped.fit(x, y, validation_data=(x, y), validation_batch_size=batch_size, verbose=0)
+    for method in (wrapped.evaluate, wrapped.predict):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            method(x, batch_size=batch_size, verbose=0)
+    assert_untouched(model, wrapped)
+
+
+@pytest.mark.parametrize(
+    "validation, message",
+    [
+        (lambda x, y: (x[:, :5], y), "expected axis -1 of input shape to have value 8"),
+        (lambda x, y: (x, np.ones((len(y), 4))), "validation_data does not fit the model"),
+        (
+            lambda x, y: tf.data.Dataset.from_tensor_slices((x[:, :5], y)).batch(7),
+            "expected axis -1 of input shape to have value 8",
+        ),
+    ],
+    ids=["inputs", "targets", "dataset"],
+)
+def test_validation_data_the_model_cannot_take_is_refused_before_the_first_step(
+    model, validation, message
+):
+    """One device would train a whole epoch before it failed."""
+    x, y = dense_data()
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    with pytest.raises(ValueError, match="validation_data does not fit the model") as error:
+        wrapped.fit(x, y, batch_size=BATCH, validation_data=validation(x, y), verbose=0)
+    assert message in str(error.value) and "Nothing was trained" in str(error.value)
+    assert_untouched(model, wrapped)
+
+
+def test_validation_split_of_a_dataset_is_named_with_the_fix(model):
+    x, y = dense_data()
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with pytest.raises(ValueError, match="splits numpy arrays and tensors only; x is a"):
+        wrapped.fit(data, validation_split=0.2, verbose=0)
+    assert_untouched(model, wrapped)
 
 
 def test_simulate_after_tensorflow_started_says_to_call_it_first():

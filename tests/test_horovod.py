@@ -268,11 +268,14 @@ def test_horovod_is_not_given_devices():
         kmirror.wrap(dense_model(), reducer="horovod", devices=["/cpu:0"])
 
 
-@pytest.mark.parametrize("scenario", ["shard", "shard, shuffled", "rows", "local batches"])
+@pytest.mark.parametrize(
+    "scenario", ["shard", "shard, shuffled", "rows", "local batches", "own step, shard"]
+)
 def test_sharded_input_equals_single_device(ranks, scenario):
     """Each rank holds only its rows of every global batch (kmirror.data.shard over row indices,
     in order or shuffled with a seed; a RowDataset; a dataset sharded by hand and wrapped with
-    kmirror.data.local_batches): the training of one device on the global batches."""
+    kmirror.data.local_batches; a model's own train_step on kmirror.data.shard's dataset): the
+    training of one device on the global batches."""
     assert_sharded_input_equals_single_device(ranks, scenario)
 
 

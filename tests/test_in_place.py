@@ -1,6 +1,7 @@
 """The wrapped model is the user's model: it answers as the user's model does, and a change made
 through the user's references takes effect where Keras takes it."""
 
+import keras
 import numpy as np
 import pytest
 from conftest import cpus
@@ -8,6 +9,7 @@ from models import (
     BATCH,
     MULTI_IO_COMPILE,
     assert_same_history,
+    dense_data,
     dense_model,
     max_weight_difference,
     multi_io_data,
@@ -111,3 +113,112 @@ def test_changes_through_the_users_references_take_effect_as_keras_takes_them():
     for first, second in zip(*before_freeze, strict=True):
         np.testing.assert_array_equal(first, second)  # frozen through the user's reference
     assert float(wrapped.optimizer.learning_rate.numpy()) == pytest.approx(0.02)
+
+
+class Counted(keras.layers.Layer):
+    """Keras' own test layer pattern: a variable the user made, counting the layer's calls."""
+
+    def build(self, shape):
+        self.counter = self.add_weight(
+            shape=(), initializer="zeros", dtype="int32", trainable=False, name="counter"
+        )
+
+    def call(self, x):
+        self.counter.assign_add(1)
+        return x
+
+
+def counted_model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [keras.Input((8,)), Counted(), keras.layers.Dense(3), keras.layers.Dense(3)]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def every_variable(model):
+    """The model's weights, its optimizer's and its metrics' variables."""
+    metrics = [v for m in model.metrics for v in m.variables]
+    return model.variables + model.optimizer.variables + metrics
+
+
+def test_the_users_variables_read_and_assign_as_on_one_device():
+    """`value`, `int()`, `float()`, `numpy()`, `np.asarray` and `assign`, outside a step, on every
+    variable of the wrapped model, answer as plain Keras answers; an assigned value is every
+    replica's (the next epoch trains from it)."""
+    x, y = dense_data()
+    models = [counted_model(), counted_model()]
+    models[1] = kmirror.wrap(models[1], reducer="hierarchical_copy", devices=cpus(3))
+    for model in models:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    plain, wrapped = every_variable(models[0]), every_variable(models[1])
+    assert len(plain) == len(wrapped) > 10
+    scalars = 0
+    for expected, actual in zip(plain, wrapped, strict=True):
+        for read in (np.asarray, lambda v: v.numpy(), lambda v: np.asarray(v.value)):
+            np.testing.assert_allclose(read(actual), read(expected), rtol=1e-5, err_msg=actual.path)
+        if expected.shape == ():
+            scalars += 1
+            for read in (int, float, lambda v: int(v.value), lambda v: float(v.value)):
+                assert read(actual) == pytest.approx(read(expected), rel=1e-5), actual.path
+    assert scalars >= 4  # the counter, the optimizer's iterations and learning rate, the metrics'
+    counter = models[1].layers[0].counter
+    assert int(counter.value) == int(models[0].layers[0].counter.value) == 4  # 4 batches
+
+    for model in models:
+        model.layers[0].counter.assign(100)
+        model.optimizer.learning_rate.assign(0.5)
+        model.layers[1].kernel.assign(model.layers[1].kernel.numpy() * 2)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(counter) == 104
+    assert max_weight_difference(*models) < 1e-5
+
+
+class Adversarial(keras.Model):
+    """keras.io's conditional GAN shape: sub-models, a helper method, a property with a setter,
+    a plain attribute, and a name (`devices`) that kmirror's model also has."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8)])
+        self.discriminator = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        self.latent_dim, self.label = 2, "first"
+        self.devices = "the user's"
+        self._temperature = 0.5
+
+    @property
+    def temperature(self):
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value):
+        self._temperature = value
+
+    def generate(self, rows):
+        return self.generator(np.ones((rows, self.latent_dim)))
+
+    def call(self, x):
+        return self.discriminator(self.generator(x))
+
+
+def test_the_users_own_attributes_and_methods_answer_on_the_wrapped_model():
+    model = Adversarial()
+    model.compile(optimizer="sgd", loss="mse")
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+
+    assert wrapped.generator is model.generator and wrapped.discriminator is model.discriminator
+    assert wrapped.latent_dim == 2 and wrapped.temperature == 0.5
+    np.testing.assert_allclose(wrapped.generate(3), model.generate(3))
+    wrapped.temperature, wrapped.label = 2.0, "second"  # set on the user's model
+    assert model.temperature == 2.0 and model.label == "second"
+    # kmirror's and Keras' own names stay the wrapped model's.
+    assert wrapped.devices == cpus(2) and model.devices == "the user's"
+    history = wrapped.fit(np.ones((6, 2)), np.ones((6, 1)), batch_size=3, verbose=0)
+    assert wrapped.history is history and wrapped.optimizer is model.optimizer
+    with pytest.raises(AttributeError, match="'MirroredModel' object has no attribute 'absent'"):
+        wrapped.absent  # noqa: B018

@@ -116,11 +116,14 @@ def assert_scenario_equals_single_device(ranks, scenario):
         assert_same_history(history, rank[scenario]["history"])
 
 
-@pytest.mark.parametrize("scenario", ["shard", "shard, shuffled", "rows", "local batches"])
+@pytest.mark.parametrize(
+    "scenario", ["shard", "shard, shuffled", "rows", "local batches", "own step, shard"]
+)
 def test_sharded_input_equals_single_device(workers, scenario):
     """Each worker holds only its rows of every global batch (kmirror.data.shard, in order or
-    shuffled with a seed; a RowDataset; a dataset sharded by hand, kmirror.data.local_batches),
-    split again over its devices: the training of one device on the global batches."""
+    shuffled with a seed; a RowDataset; a dataset sharded by hand, kmirror.data.local_batches;
+    a model's own train_step on kmirror.data.shard's dataset), split again over its devices: the
+    training of one device on the global batches."""
     assert_sharded_input_equals_single_device(workers[1], scenario)
 
 

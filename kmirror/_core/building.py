@@ -89,6 +89,15 @@ class Builder:
         self._mirror.mirror(model)
         self._built()
 
+    def check_takes(self, data_batch) -> None:
+        """Raises what the user's model raises evaluating `data_batch` (tensors or their specs),
+        computed symbolically: its outputs and compiled loss, nothing run. A model's own
+        `test_step` takes what it takes: it is not checked here."""
+        if "test_step" in own_step.overridden(self._model):
+            return
+        with self._mirror.scope():
+            keras_hooks.symbolic_evaluation(self._model, _symbolic(data_batch))
+
     def from_spec(self, x, step: str | None = None) -> None:
         """Builds from a dataset's element spec, drawing no batch from it: a batch drawn before
         training would advance a seeded shuffle, and the epochs would no longer be one device's."""

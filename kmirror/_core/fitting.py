@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -41,6 +42,9 @@ class Fit:
     ) -> None:
         job = self._job = reducer.job
         arguments = inputs_lib.arguments_of(keras.Model.fit, model, args, kwargs, job.is_chief)
+        #: The validation data as given, checked against the model before the first step.
+        self._validation = arguments.get("validation_data")
+        self._training = _batch(arguments)
         keras_own.check(arguments.get("callbacks"))  # before anything is read or written
         #: SIGTERM backs up and stops every process at one step (with a BackupAndRestore).
         self._preemption = preemption.watch(arguments.get("callbacks"), job)
@@ -61,6 +65,27 @@ class Fit:
             *[self._preemption] * bool(self._preemption),
         ]
 
+    def check_validation(self, check: Callable) -> None:
+        """Refuses validation data that the model cannot take (`check(batch)` raises on it, and
+        not on the training data's batch: a model that cannot be checked symbolically is not
+        refused), once, before the first step: one device would train an epoch before it failed."""
+        validation = inputs_lib.batch_spec(self._validation)
+        self._validation = None
+        training = inputs_lib.batch_spec(self._training)
+        if validation is None or training is None:
+            return
+        try:
+            check(validation)
+        except Exception as error:
+            try:
+                check(training)
+            except Exception:
+                return
+            raise ValueError(
+                f"validation_data does not fit the model: {error}\nNothing was trained. Pass "
+                "validation data shaped as the training data (the model's inputs and targets)."
+            ) from error
+
     @contextlib.contextmanager
     def running(self):
         """The context Keras' loop runs in: Keras' own file-writing callbacks write once in the
@@ -78,3 +103,11 @@ class Fit:
             if errors.NON_FINITE not in str(error):
                 raise
             raise errors.NonFiniteLoss(self._watch.describe_non_finite(error)) from None
+
+
+def _batch(arguments: dict):
+    """The training data as given: the dataset, or the tuple of arrays (x, y, sample_weight)."""
+    x = arguments.get("x")
+    if isinstance(x, tf.data.Dataset):
+        return x
+    return (x, arguments.get("y"), arguments.get("sample_weight"))

@@ -42,6 +42,7 @@ class Mirror:
     def __init__(self, reducer: Reducer) -> None:
         self._reducer = reducer
         self._optimizers = weakref.WeakSet()
+        tf_hooks.read_as_numbers()  # a mirrored variable reads as a number, as on one device
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables made in this scope are mirrored on every replica."""

@@ -55,7 +55,12 @@ class MirroredModel(keras_hooks.ModelOverrides):
     them, and one identical update is applied everywhere. Logged loss and metrics are those of the
     global batch, as on one device. The layers, optimizer and metrics that train are the user's
     own objects: a change made through the user's references (freezing a layer, a learning rate)
-    takes effect where Keras takes it (at the next `compile` for `trainable`).
+    takes effect where Keras takes it (at the next `compile` for `trainable`). The user's model's
+    own attributes, methods and properties (a GAN's `generator`, a helper method) are read and set
+    through the wrapped model as well; where a name is also Keras' or kmirror's (`devices`,
+    `reducer`), the wrapped model answers its own. Every variable (layers', optimizers',
+    metrics') reads and assigns outside a step as on one device: `int(v)`, `float(v)`,
+    `v.numpy()`, `np.asarray(v)`, `v.value`, `v.assign(...)` (to every replica's copy).
 
     Example:
 
@@ -80,6 +85,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
         sync_batch_norm: bool = True,
         prefetch: bool | None = None,
     ) -> None:
+        keras_hooks.keras_model_name("")  # learns Keras' names now, outside any step
         super().__init__(name=f"mirrored_{model.name}")
         self._model = model  # tracked by Keras as this model's one layer
         self._reducer = reducer
@@ -117,6 +123,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
             except BaseException:
                 self._mirror.unmirror(model)
                 raise
+        self._answers_as_model = True  # from here on, the user's own names are the model's
 
     # -- what users ask of it -------------------------------------------------------------------
     @property
@@ -150,6 +157,30 @@ class MirroredModel(keras_hooks.ModelOverrides):
         return self._replica_jit_compile
 
     # -- the user's model's surface -------------------------------------------------------------
+    def __getattr__(self, name):
+        # Called for names this model has not: the user's model's own (its sub-models, methods,
+        # properties); kmirror's names and Keras' are this model's.
+        if self._users_own(name):
+            return getattr(vars(self)["_model"], name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __setattr__(self, name, value):
+        if self._users_own(name) and name not in vars(self):
+            setattr(vars(self)["_model"], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _users_own(self, name: str) -> bool:
+        """Whether `name` is the user's model's own: the user's model has it, and neither Keras
+        nor kmirror gives this model a name like it."""
+        state = vars(self)
+        return (
+            state.get("_answers_as_model", False)
+            and not hasattr(type(self), name)
+            and not keras_hooks.keras_model_name(name)
+            and hasattr(state["_model"], name)
+        )
+
     @property
     def layers(self):
         return self._model.layers
@@ -294,6 +325,8 @@ class MirroredModel(keras_hooks.ModelOverrides):
     def _build_before_first_step(self, iterator=None, data_batch=None):
         # Keras builds a model here before its first step (`_core.building`).
         self._builder.build(iterator, data_batch)
+        if self._fit is not None:
+            self._fit.check_validation(self._builder.check_takes)
 
     # -- fit, evaluate, predict -----------------------------------------------------------------
     def fit(self, *args, **kwargs):
@@ -330,6 +363,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
         if not self._model.built:
             first = keras_hooks.first_batch(x, batch_size)
             self._builder.build(data_batch=first, step="predict_step")
+        inputs_lib.check_batch_size("batch_size", batch_size)
         if not self.is_chief and verbose == "auto":
             verbose = 0
         job = self._reducer.job
@@ -414,7 +448,8 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
         It is the model given to `kmirror.wrap`, with its optimizer state (iterations, moments)
         and compile settings: `fit` on it continues on one device where this model stopped. This
-        wrapped model is done: wrap the model again to train it on the replicas.
+        wrapped model is done: wrap the model again to train it on the replicas (any further use
+        of it, `unwrap()` again included, raises a ValueError that says so).
         """
         self._check_wrapped()
         self._mirror.unmirror(self._model)

@@ -14,6 +14,9 @@ TensorFlow has no public API for these things kmirror needs:
   (`started`, `collectives_configured`), to refuse a late `kmirror.cluster.connect()` clearly;
 - which strategy a variable was created under (`strategy_of`): whether a model's variable is
   mirrored already, and by which wrapped model;
+- a mirrored variable read as a number (`read_as_numbers`): TensorFlow's distributed variables,
+  which hold a mirrored Keras variable's value, lack the `int()`, `float()` and `complex()` a
+  `tf.Variable` has;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
 
@@ -33,6 +36,7 @@ versions.check()  # before the internals below
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective  # noqa: E402
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops  # noqa: E402
 from tensorflow.python.distribute import distribute_lib  # noqa: E402
+from tensorflow.python.distribute import values as tf_values  # noqa: E402
 from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
@@ -49,6 +53,7 @@ __all__ = [
     "collectives_configured",
     "slurm_tasks",
     "strategy_of",
+    "read_as_numbers",
 ]
 
 
@@ -109,6 +114,24 @@ def collectives_configured() -> bool:
 def strategy_of(variable: tf.Variable) -> tf.distribute.Strategy | None:
     """The `tf.distribute` strategy in whose scope `variable` was created (None: none)."""
     return getattr(variable, "_distribute_strategy", None)
+
+
+def read_as_numbers() -> None:
+    """Gives TensorFlow's distributed variables the conversions of a `tf.Variable`: `int(v)`,
+    `float(v)` and `complex(v)` of the value `v.numpy()` reads (outside a step: every replica's
+    copy holds it), so that `int(layer.counter.value)` answers as on one device. Adds only what
+    TensorFlow does not define; calling it again changes nothing."""
+    for name, convert in (("__int__", int), ("__float__", float), ("__complex__", complex)):
+        if not hasattr(tf_values.DistributedVariable, name):
+            setattr(tf_values.DistributedVariable, name, _read_as(convert))
+
+
+def _read_as(convert: Callable) -> Callable:
+    def method(self):
+        return convert(self.numpy())
+
+    method.__name__ = f"__{convert.__name__}__"
+    return method
 
 
 class _Extended(tf_collective.CollectiveAllReduceExtended):

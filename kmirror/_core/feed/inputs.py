@@ -28,15 +28,17 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmirror import data as data_lib
 from kmirror._core import keras_hooks
 from kmirror._core.feed import feeding, py_datasets
+from kmirror._core.feed import rows as rows_lib
 from kmirror.callbacks.backup import Position
 from kmirror.reducers.base import Reducer
 
-__all__ = ["Inputs", "arguments_of"]
+__all__ = ["Inputs", "arguments_of", "batch_spec"]
 
 
 def arguments_of(method, model, args, kwargs, chief: bool) -> dict:
@@ -51,7 +53,41 @@ def arguments_of(method, model, args, kwargs, chief: bool) -> dict:
             given[name] = value
     if not chief and "verbose" not in given:
         given["verbose"] = 0
+    for name in ("batch_size", "validation_batch_size"):
+        check_batch_size(name, given.get(name))
+    x = given.get("x")
+    split = given.get("validation_split")
+    batched = isinstance(x, tf.data.Dataset | keras.utils.PyDataset) or inspect.isgenerator(x)
+    if split and given.get("validation_data") is None and batched:
+        raise ValueError(
+            f"validation_split={split!r} splits numpy arrays and tensors only; x is a "
+            f"{type(x).__name__}. Pass validation_data=... instead."
+        )
     return given
+
+
+def check_batch_size(name: str, value) -> None:
+    """Refuses a batch size that is not None or a whole number >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(
+            f"{name}={value!r}: give a whole number >= 1 (the global batch: the rows of one step "
+            "over every replica), or None for Keras' default."
+        )
+
+
+def batch_spec(data):
+    """The specs of a batch of `data` (validation data as `fit` takes it: a tuple of arrays or
+    tensors, or a `tf.data` dataset), the batch dimension unknown; None for other input."""
+    if isinstance(data, tf.data.Dataset):
+        return rows_lib.unpack(data.element_spec)[0]
+    if isinstance(data, tuple | list) and data and feeding.is_arrays(*data):
+        return tf.nest.map_structure(
+            lambda a: None if a is None else tf.TensorSpec([None, *a.shape[1:]], a.dtype),
+            tuple(data),
+        )
+    return None
 
 
 class Inputs:

@@ -39,6 +39,7 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     compiled_metrics,
     from_adding_metric_module,
     keep_saving_cache,
+    keras_model_name,
     loss_tracker,
     masks_of,
     metric_function,
@@ -49,6 +50,7 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     resumed_epoch,
     rowwise_loss,
     symbolic_build,
+    symbolic_evaluation,
     with_masks,
 )
 from kmirror._core.keras_hooks.optimizers import (  # noqa: E402
@@ -132,6 +134,7 @@ __all__ = [
     "loss_tracker",
     "masks_of",
     "metric_function",
+    "keras_model_name",
     "per_row_keras_function",
     "rowwise_loss",
     "print_msg",
@@ -139,5 +142,6 @@ __all__ = [
     "resume_at_epoch",
     "resumed_epoch",
     "symbolic_build",
+    "symbolic_evaluation",
     "with_masks",
 ]

@@ -5,8 +5,11 @@ masks.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src.backend.common import masking as keras_masking
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.trainers.compile_utils import CompileMetrics
@@ -19,6 +22,7 @@ __all__ = [
     "compiled_metric_list",
     "metric_function",
     "symbolic_build",
+    "symbolic_evaluation",
     "resolve_auto_jit_compile",
     "calls_with_training",
     "resume_at_epoch",
@@ -30,6 +34,7 @@ __all__ = [
     "from_adding_metric_module",
     "per_row_keras_function",
     "rowwise_loss",
+    "keras_model_name",
 ]
 
 
@@ -70,6 +75,18 @@ def symbolic_build(model, data_batch) -> None:
     strategy. (`MirroredModel` overrides Keras' `_maybe_symbolic_build`, where `fit`, `evaluate`
     and `predict` call this.)"""
     model._symbolic_build(data_batch=data_batch)
+
+
+def symbolic_evaluation(model, data_batch) -> None:
+    """Computes `model`'s outputs and compiled loss on `data_batch` (KerasTensors) symbolically,
+    as Keras' `_symbolic_build` does: raises what evaluating that batch would raise; runs
+    nothing and changes no state."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
+    y_pred = keras_backend.compute_output_spec(model, x, training=False)
+    if y is not None and compiled_loss(model) is not None:
+        keras_backend.compute_output_spec(
+            model.compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
+        )
 
 
 def resolve_auto_jit_compile(model) -> bool:
@@ -160,14 +177,15 @@ def from_adding_metric_module(kind: type) -> bool:
     return kind.__module__ in _ADDING_MODULES
 
 
-#: Keras' loss functions that couple a batch's rows: a row's loss depends on the other rows.
-_COUPLING_LOSSES = frozenset({"dice", "tversky", "circle"})
+#: Keras' loss functions that couple a batch's rows: a row's loss depends on the other rows (Dice
+#: and Tversky give one value for the whole batch). Checked on Keras 3.12 and 3.15.
+_COUPLING_FUNCTIONS = frozenset({"dice", "tversky", "circle"})
 
 
 def rowwise_loss(model) -> bool:
     """Whether each row's loss under `model`'s compiled loss depends on that row alone: the model
     computes its loss as Keras does (no `compute_loss` of its own) with Keras' losses that give a
-    value per row, by name, class or function (Dice, Tversky and Circle couple the rows)."""
+    value per row, by name, class or function."""
     if type(model).compute_loss is not keras.Model.compute_loss:
         return False
     losses = tf.nest.flatten(compile_arguments(model).get("loss"))
@@ -181,14 +199,34 @@ def _rowwise(loss) -> bool:
         return type(loss).__module__ == LossFunctionWrapper.__module__ and _rowwise(loss.fn)
     if isinstance(loss, keras.losses.Loss):
         return False  # a loss class of the user's own
-    module, name = getattr(loss, "__module__", ""), getattr(loss, "__name__", "")
-    return module == LossFunctionWrapper.__module__ and name not in _COUPLING_LOSSES
+    return per_row_keras_function(loss)
 
 
 def per_row_keras_function(fn) -> bool:
-    """Whether `fn` is one of Keras' metric or loss functions, each of which gives a value per
-    row (the correlation metrics excepted)."""
+    """Whether `fn` is one of Keras' loss or metric functions whose value for a row depends on that
+    row alone (not the correlation metrics, Dice, Tversky or Circle)."""
     module = getattr(fn, "__module__", "") or ""
-    return module.startswith(("keras.src.metrics.", "keras.src.losses.")) and (
-        "correlation" not in module
+    return (
+        module.startswith(("keras.src.metrics.", "keras.src.losses."))
+        and "correlation" not in module
+        and getattr(fn, "__name__", "") not in _COUPLING_FUNCTIONS
     )
+
+
+#: What Keras' fit, evaluate and predict set on a model as they run (Keras 3.12 and 3.15).
+_LOOP_STATE = frozenset({"history", "stop_training", "stop_evaluating", "stop_predicting"})
+
+
+@functools.cache
+def _keras_instance_names() -> frozenset:
+    """The attributes Keras sets on every model it makes and compiles, and in its loops."""
+    with tf.init_scope():
+        probe = keras.Model()
+        probe.compile(optimizer="sgd", loss="mse")
+    return frozenset(vars(probe)) | _LOOP_STATE
+
+
+def keras_model_name(name: str) -> bool:
+    """Whether `name` is one Keras gives a model (a private name, a method or property of
+    `keras.Model`, or an attribute Keras sets), not one of a user's model class of its own."""
+    return name.startswith("_") or hasattr(keras.Model, name) or name in _keras_instance_names()
