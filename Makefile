@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt scripts/install_horovod.sh
+$(STAMP): pyproject.toml constraints.txt kmirror/install_horovod.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,notebooks,docs]"
-	bash scripts/install_horovod.sh $(VENV)
+	$(PY) -m kmirror.install_horovod
 	touch $(STAMP)
 
 demo: install

@@ -13,8 +13,9 @@ shared filesystem. Every process seeds alike after building its model (the proce
 one device draws). With KMIRROR_TEST_KILL=<rank> that rank kills itself after batch 2 of epoch 4
 (once: OUT/killed marks it), first marking its host down in KMIRROR_TEST_DOWN (a folder the test's
 ssh reads); with KMIRROR_TEST_TERM=<rank> that rank sends itself SIGTERM after batch 2 of epoch 3
-(once: OUT/termed). Each process prints its rank, the job's size and its host. Results go to
-OUT/backup-rank<r>.pkl.
+(once: OUT/termed). With KMIRROR_TEST_KERAS_BACKUP=1 the callback is Keras' own
+BackupAndRestore, with the same arguments. Each process prints its rank, the job's size and its
+host. Results go to OUT/backup-rank<r>.pkl.
 """
 
 import functools
@@ -118,7 +119,12 @@ elif mode == "backup":
     if os.environ.get("KMIRROR_TEST_TERM") == str(rank):
         term = functools.partial(os.kill, os.getpid(), signal.SIGTERM)
         faults.append(Fault((2, 2), out / "termed", term))
-    backup = kmirror.callbacks.BackupAndRestore(out / f"backup{rank}", save_freq=2)
+    # KMIRROR_TEST_KERAS_BACKUP=1: Keras' own callback, which kmirror runs as its own.
+    keras_own = os.environ.get("KMIRROR_TEST_KERAS_BACKUP") == "1"
+    backup_class = (
+        keras.callbacks.BackupAndRestore if keras_own else kmirror.callbacks.BackupAndRestore
+    )
+    backup = backup_class(out / f"backup{rank}", save_freq=2)
     history = fit(
         model, 5, [backup, *faults], shuffle=True, rows=bool(os.environ.get("KMIRROR_TEST_ROWS"))
     )

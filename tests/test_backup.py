@@ -9,6 +9,8 @@ import inspect
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from conftest import cpus
 from models import BATCH, dense_data, dense_model
 
 import kmirror
+
+HERE = Path(__file__).parent
 
 EPOCHS = 4  # of 4 batches (101 rows in batches of 33)
 
@@ -79,13 +83,21 @@ def inputs(kind: str):
     return {"x": x, "y": y, "batch_size": BATCH, "shuffle": kind == "shuffled"}
 
 
-def train(backup_dir, kind, callbacks=(), replicas=2, validation_data=None, **backup):
+def train(
+    backup_dir,
+    kind,
+    callbacks=(),
+    replicas=2,
+    validation_data=None,
+    backup_class=kmirror.callbacks.BackupAndRestore,
+    **backup,
+):
     """One launch of the script, on `replicas` replicas: seeded, a new model and input; returns
     (model, batches trained, batches loaded: a PyDataset's count, else None)."""
     keras.utils.set_random_seed(11)
     model = kmirror.wrap(dense_model("adam"), "hierarchical_copy", devices=cpus(replicas))
     counter = Batches()
-    callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, **backup), counter, *callbacks]
+    callbacks = [backup_class(backup_dir, **backup), counter, *callbacks]
     given = inputs(kind)
     model.fit(
         **given, epochs=EPOCHS, verbose=0, callbacks=callbacks, validation_data=validation_data
@@ -141,6 +153,48 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_run(
     if loaded is not None:  # and loads them, after the first two (their shapes)
         assert loaded == 2 + batches
     assert_same_state(whole, state(resumed))
+
+
+def test_keras_own_backup_and_restore_resumes_mid_epoch_as_kmirrors(tmp_path):
+    """Keras' BackupAndRestore, given to a wrapped model, is run as kmirror's (Keras' restarts
+    the interrupted epoch): the relaunch trains only the batches not backed up."""
+    whole = uninterrupted("shuffled")
+    keras_own = {"backup_class": keras.callbacks.BackupAndRestore, "save_freq": 2}
+    with pytest.raises(Crash):
+        train(tmp_path / "backup", "shuffled", [CrashAt(2, 2)], **keras_own)
+    index = json.loads((tmp_path / "backup" / "backup.json").read_text())
+    assert (index["epoch"], index["step"]) == (2, 2)
+    resumed, trained, _ = train(tmp_path / "backup", "shuffled", **keras_own)
+    assert trained == 2 + 4
+    assert_same_state(whole, state(resumed))
+    assert not (tmp_path / "backup").exists(), "the backup is removed after a normal end"
+
+
+#: Keras' own tests of its checkpoint callbacks that a wrapped model passes as they are. The
+#: others of backup_and_restore_test.py read the fields of Keras' callback object
+#: (`_current_epoch`, `_last_batch_seen`, `_weights_path`), which kmirror's callback in its place
+#: does not keep, and test_best_case_step counts the batches of the interrupted epoch trained a
+#: second time (Keras restarts the epoch; kmirror resumes inside it, as the uninterrupted run).
+KERAS_TESTS = [
+    "model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_options",
+    "model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_loading",
+    "backup_and_restore_test.py::BackupAndRestoreCallbackTest::test_model_deleted_case_epoch",
+]
+
+
+def test_keras_own_checkpoint_tests_pass_with_every_model_wrapped(tmp_path):
+    folder = Path(keras.__file__).parent / "src" / "callbacks"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "wrap_every_model"]
+        + [str(folder / test) for test in KERAS_TESTS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert f"{len(KERAS_TESTS)} passed" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("replicas", [3, 1])

@@ -218,12 +218,16 @@ def test_keras_own_callbacks_write_the_files_one_device_writes(job, tmp_path_fac
     np.testing.assert_allclose([float(v) for v in board["epoch_loss"]], history["loss"], rtol=1e-5)
 
 
-def test_keras_backup_and_restore_is_refused_naming_kmirrors(tmp_path):
+class OwnBackup(keras.callbacks.BackupAndRestore):
+    """A subclass of Keras' BackupAndRestore: its hooks are the user's."""
+
+
+def test_a_subclass_of_keras_backup_and_restore_is_refused_naming_kmirrors(tmp_path):
     x, y = dense_data()
     model = kmirror.wrap(dense_model("sgd"), devices=["/cpu:0", "/cpu:1"])
     before = model.get_weights()
-    backup = keras.callbacks.BackupAndRestore(tmp_path / "backup")
-    with pytest.raises(ValueError, match=r"use kmirror\.callbacks\.BackupAndRestore"):
+    backup = OwnBackup(tmp_path / "backup")
+    with pytest.raises(ValueError, match=r"OwnBackup, a subclass of keras.callbacks.Backup"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[backup])
     assert not (tmp_path / "backup").exists()
     for a, b in zip(model.get_weights(), before, strict=True):
@@ -260,16 +264,18 @@ def assert_resumed_as_one_device(ranks: list[dict], rows: bool, epochs: int) -> 
             np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("reducer", ["horovod", "ring"])
-def test_a_process_killed_with_its_host_resumes_on_the_hosts_left(reducer, tmp_path):
+@pytest.mark.parametrize("reducer, backup", [("horovod", "kmirror's"), ("ring", "Keras' own")])
+def test_a_process_killed_with_its_host_resumes_on_the_hosts_left(reducer, backup, tmp_path):
     """`kmirror.launch --hosts 127.0.0.1,127.0.0.2 --max-restarts 1 --min-np 1`: Horovod's job
     handed to horovodrun, the ring's second worker started through ssh (tests/ssh/ssh runs it on
     this machine). Rank 1 is killed inside epoch 4 of a shuffled RowDataset, and its host cannot
     be reached any more: the job starts again on the first host alone, resumes from the chief's
-    backup of that epoch's first 2 batches (rank 1's folder is empty), and ends as one device."""
+    backup of that epoch's first 2 batches (rank 1's folder is empty), and ends as one device.
+    The ring job is given Keras' own BackupAndRestore: kmirror runs it as its own."""
     out, down = tmp_path / "out", tmp_path / "down"
     down.mkdir()
     env = {**SSH, "KMIRROR_TEST_KILL": "1", "KMIRROR_TEST_ROWS": "1"}
+    env["KMIRROR_TEST_KERAS_BACKUP"] = str(int(backup == "Keras' own"))
     env["KMIRROR_TEST_DOWN"] = str(down)
     hosts = ["--hosts", "127.0.0.1,127.0.0.2", "--min-np", "1"]
     done = run_job("backup", out, reducer, env=env, restarts=1, options=hosts)

@@ -16,7 +16,8 @@ LAYERS = [
     + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.calls"]
-    + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"],
+    + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"]
+    + ["install_horovod"],
     # The processes of a job, metric states, compression.
     ["slurm", "cluster", "metric_states", "feed", "feed.rows", "sparse_gradients", "draws"]
     + ["reducers.compression"]
@@ -39,6 +40,7 @@ LAYERS = [
 ]
 #: The public modules (and the package itself); every other module lives in `kmirror._core`.
 PUBLIC = ("", "versions", "errors", "devices", "cluster", "data", "launch", "reducers", "callbacks")
+PUBLIC += ("install_horovod",)
 
 
 def qualified(module: str) -> str:

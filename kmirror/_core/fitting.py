@@ -45,6 +45,7 @@ class Fit:
         #: The validation data as given, checked against the model before the first step.
         self._validation = arguments.get("validation_data")
         self._training = _batch(arguments)
+        arguments["callbacks"] = keras_own.stand_ins(arguments.get("callbacks"))
         keras_own.check(arguments.get("callbacks"))  # before anything is read or written
         #: SIGTERM backs up and stops every process at one step (with a BackupAndRestore).
         self._preemption = preemption.watch(arguments.get("callbacks"), job)

@@ -113,6 +113,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
         self._fit: fitting.Fit | None = None  # the fit running, if any
         self._unwrapped = False
         self._samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False, name="samples_seen")
+        self._adopted = None  # the user's model's compile call this model took
         if hasattr(model, "output_names"):
             self.output_names = list(model.output_names)
         self.built = True
@@ -231,6 +232,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def _adopt_compile(self) -> None:
         """This model takes the user's model's compile settings (`_core.compiling`)."""
+        self._adopted = keras_hooks.compile_call(self._model)
         self._mirror.mirror(self._model)
         arguments, self._replica_jit_compile = compiling.outer(
             self._model, self._own_training, self._sync_batch_norm
@@ -329,8 +331,15 @@ class MirroredModel(keras_hooks.ModelOverrides):
             self._fit.check_validation(self._builder.check_takes)
 
     # -- fit, evaluate, predict -----------------------------------------------------------------
+    def _adopt_a_new_compile(self) -> None:
+        """The user's model compiled again since (`model.compile(...)` on it, not on this model):
+        this model takes its new settings before it trains or evaluates."""
+        if self._model.compiled and keras_hooks.compile_call(self._model) is not self._adopted:
+            self._adopt_compile()
+
     def fit(self, *args, **kwargs):
         self._check_wrapped()
+        self._adopt_a_new_compile()
         with self._reducer.job.failures():
             self._mirror.mirror(self._model)  # variables the user made since
             self._chief.changed()  # every fit starts from the chief's state
@@ -347,6 +356,7 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def evaluate(self, *args, **kwargs):
         self._check_wrapped()
+        self._adopt_a_new_compile()
         with self._reducer.job.failures():
             method, chief = keras.Model.evaluate, self.is_chief
             arguments = inputs_lib.arguments_of(method, self, args, kwargs, chief)

@@ -9,7 +9,7 @@
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
 process, so `EarlyStopping` stops every process at the same epoch. In a job of several processes
 Keras' own `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write once, from the chief
-(`keras_own`); Keras' `BackupAndRestore` is refused for this package's. A NaN or infinite loss
+(`keras_own`); Keras' `BackupAndRestore` runs as this package's. A NaN or infinite loss
 stops every process at the same step with `kmirror.errors.NonFiniteLoss`. With a
 `BackupAndRestore`, `SIGTERM` to any process stops every process before the same step, backed up
 there, with exit code `EXIT_PREEMPTED` (75; `kmirror.callbacks.preemption`).

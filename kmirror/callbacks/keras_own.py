@@ -11,9 +11,11 @@ length of a `fit`, `evaluate` or `predict` call:
   `kmirror.callbacks.ChiefCheckpoint` does (a subclass that saves in its own way runs on the
   chief only);
 - `TensorBoard` and `CSVLogger`, which decide nothing, run on the chief only;
-- Keras' `BackupAndRestore` is refused, in any job, with an error naming
-  `kmirror.callbacks.BackupAndRestore`, which resumes inside an epoch exactly on any number of
-  processes.
+- Keras' `BackupAndRestore` is replaced, for a wrapped model's `fit`, by
+  `kmirror.callbacks.BackupAndRestore` made with its arguments (`stand_ins`): the chief backs up,
+  and a relaunch resumes inside the interrupted epoch exactly, on any number of processes. (The
+  Keras object itself is not run: its own fields, such as `_current_epoch`, stay as they were.) A
+  subclass of it, whose hooks kmirror would not run, is refused with an error naming kmirror's.
 
 kmirror's own callbacks, and every other callback (`EarlyStopping`, `ReduceLROnPlateau`, ...:
 the same decisions on every process), run as given. Within one process every callback runs as
@@ -30,6 +32,7 @@ with written_once(callbacks, reducer.job) as chosen:
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import keras
 
@@ -38,7 +41,7 @@ from kmirror.callbacks.backup import BackupAndRestore
 from kmirror.callbacks.checkpoint import ChiefCheckpoint
 from kmirror.callbacks.tensorboard import ChiefTensorBoard
 
-__all__ = ["check", "written_once"]
+__all__ = ["check", "stand_ins", "written_once"]
 
 _OWN = (ChiefCheckpoint, ChiefTensorBoard, BackupAndRestore)
 #: Run by the chief only. A `ModelCheckpoint` whose class saves in its own way is too.
@@ -49,17 +52,44 @@ _CHIEF_ONLY = (
 )
 
 
+#: Each of Keras' own `BackupAndRestore` objects given to a `fit`, and kmirror's in its place
+#: (the same one at every `fit` it is given to).
+_STOOD_IN = weakref.WeakKeyDictionary()
+
+
+def stand_ins(callbacks):
+    """`callbacks` (a list, or None) with Keras' own `BackupAndRestore` replaced by kmirror's,
+    made with its arguments."""
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    chosen = []
+    for callback in callbacks:
+        if type(callback) is keras.callbacks.BackupAndRestore:
+            if callback not in _STOOD_IN:
+                _STOOD_IN[callback] = BackupAndRestore(
+                    callback.backup_dir,
+                    save_freq=callback.save_freq,
+                    double_checkpoint=callback.double_checkpoint,
+                    delete_checkpoint=callback.delete_checkpoint,
+                )
+            callback = _STOOD_IN[callback]
+        chosen.append(callback)
+    return chosen
+
+
 def check(callbacks) -> None:
-    """Raises a ValueError naming kmirror's callback for a Keras callback kmirror cannot run."""
+    """Raises a ValueError naming kmirror's callback for a Keras callback kmirror cannot run: a
+    subclass of Keras' `BackupAndRestore` (Keras' own is replaced, see `stand_ins`)."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     for callback in callbacks or []:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             raise ValueError(
-                "keras.callbacks.BackupAndRestore cannot resume a kmirror model: use "
-                "kmirror.callbacks.BackupAndRestore(backup_dir, save_freq=...) instead (the same "
-                "arguments). It backs up from the chief only and resumes inside an epoch exactly, "
-                "on any number of processes or replicas."
+                f"{type(callback).__name__}, a subclass of keras.callbacks.BackupAndRestore, "
+                "cannot resume a kmirror model: its hooks restart the interrupted epoch on each "
+                "process. Use kmirror.callbacks.BackupAndRestore(backup_dir, save_freq=...) "
+                "(Keras' arguments; subclass it if you need to), or Keras' own "
+                "BackupAndRestore, which kmirror replaces by it."
             )
 
 

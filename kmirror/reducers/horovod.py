@@ -32,10 +32,10 @@ def _import_horovod():
         import horovod.tensorflow as hvd
     except ImportError as error:
         raise ImportError(
-            "reducer='horovod' needs Horovod built for this TensorFlow. In a kmirror checkout "
-            "run `make install` (it builds it); elsewhere run scripts/install_horovod.sh from "
-            "kmirror's sources, or `pip install kmirror[horovod]` where a Horovod wheel for your "
-            "TensorFlow exists."
+            "reducer='horovod' needs Horovod built for this TensorFlow: run "
+            "`python -m kmirror.install_horovod` (it builds Horovod 0.28.1 against the "
+            "TensorFlow installed, in a few minutes, and caches the wheel; set "
+            "HOROVOD_GPU_OPERATIONS=NCCL first on GPU machines)."
         ) from error
     return hvd
 

@@ -34,6 +34,7 @@ from kmirror._core.keras_hooks.calls import OwnStep, current_step, splitting  # 
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
+    compile_call,
     compiled_loss,
     compiled_metric_list,
     compiled_metrics,
@@ -126,6 +127,7 @@ __all__ = [
     "moving_statistics",
     "calls_with_training",
     "compile_arguments",
+    "compile_call",
     "compiled_loss",
     "compiled_metric_list",
     "compiled_metrics",

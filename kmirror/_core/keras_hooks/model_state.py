@@ -16,6 +16,7 @@ from keras.src.trainers.compile_utils import CompileMetrics
 
 __all__ = [
     "compile_arguments",
+    "compile_call",
     "compiled_loss",
     "compiled_metrics",
     "loss_tracker",
@@ -41,6 +42,12 @@ __all__ = [
 def compile_arguments(model) -> dict:
     """The arguments `model.compile` was called with."""
     return dict(model._compile_config.config)
+
+
+def compile_call(model) -> object | None:
+    """What stands for `model`'s latest `compile` call (another object after every call; None
+    before the first)."""
+    return getattr(model, "_compile_config", None)
 
 
 def compiled_loss(model):
