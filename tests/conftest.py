@@ -27,6 +27,7 @@ JOBS = (
     "tests/test_multi_worker.py",
     "tests/test_callbacks.py",
     "tests/test_faults.py",
+    "tests/test_ray.py",
     "tests/test_examples.py::test_horovod_example_under_the_launcher",
     "tests/test_examples.py::test_multi_worker_example_under_the_launcher",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[03_horovod_ring.ipynb]",

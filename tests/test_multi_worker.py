@@ -366,5 +366,18 @@ def test_joining_a_cluster_after_tensorflow_started_says_to_connect_first():
         )
 
 
+def test_a_tf_config_not_joined_after_tensorflow_started_says_where_to_connect(monkeypatch):
+    """Ray Train sets TF_CONFIG in each worker; a loop that builds its model before joining gets
+    the place of `kmirror.cluster.connect()` (before TensorFlow starts, wrap joins by itself)."""
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": SPEC, "task": {"type": "worker", "index": 0}})
+    )
+    model = dense_model()
+    with pytest.raises(RuntimeError, match="at the top of train_loop_per_worker") as error:
+        kmirror.wrap(model, reducer="ring")
+    assert "Call kmirror.cluster.connect() first thing in the script" in str(error.value)
+    model.fit(*dense_data(), epochs=1, verbose=0)  # untouched: it trains on one device
+
+
 def test_processes_whose_own_batches_differ_in_number_are_refused(workers):
     assert_uneven_local_batches_are_refused(workers[1])

@@ -114,9 +114,26 @@ def wrap(
         multi_worker=workers is not None,
         **reducer_options,
     )
+    if workers is not None and cluster.joined() is None:
+        _join_from_environment()
     chosen.bind(devices=devices, num_gpus=num_gpus)
     if prefetch is not None and not isinstance(prefetch, bool):
         raise ValueError(
             f"prefetch must be True, False or None (prefetch on GPUs); got {prefetch!r}."
         )
     return MirroredModel(model, chosen, sync_batch_norm=sync_batch_norm, prefetch=prefetch)
+
+
+def _join_from_environment() -> None:
+    """Joins the cluster `TF_CONFIG` describes (Ray Train and Kubernetes operators set it) when
+    TensorFlow has not started yet; else says where `kmirror.cluster.connect()` goes."""
+    try:
+        cluster.connect()
+    except RuntimeError:
+        raise RuntimeError(
+            "TF_CONFIG describes a cluster (Ray Train, a Kubernetes operator or a launcher set "
+            "it) that this process has not joined, and TensorFlow has started: it configures its "
+            "collective ops only before that. Call kmirror.cluster.connect() first thing in the "
+            "script (with Ray Train: at the top of train_loop_per_worker), before building the "
+            "model."
+        ) from None

@@ -1,0 +1,44 @@
+"""Ray Train: `TensorflowTrainer` runs a kmirror job (tests/ray_job.py) on a local Ray cluster of 2
+CPU workers, reducer="ring" on the TF_CONFIG Ray sets; a worker killed inside epoch 2 and Ray's
+`FailureConfig(max_failures=1)` start the worker group again, which resumes from kmirror's backup
+and ends as one device trained without a stop."""
+
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+
+import jobs
+import keras
+import numpy as np
+from models import BATCH, dense_data, dense_model
+
+HERE = Path(__file__).parent
+
+
+def test_ray_train_runs_a_kmirror_job_that_resumes_after_a_worker_dies(tmp_path):
+    done = jobs.run([sys.executable, str(HERE / "ray_job.py"), str(tmp_path), "--kill"], 900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    assert (tmp_path / "killed").exists(), "worker 1 exited inside epoch 2"
+    assert not (tmp_path / "backup").exists(), "the backup is removed after the normal end"
+    result = pickle.loads((tmp_path / "result.pkl").read_bytes())
+    assert result["files"] == ["model.weights.h5"], "one checkpoint, the chief's"
+    assert result["metrics"]["chief"] is True and result["metrics"]["rank"] == 0
+
+    x, y = dense_data()
+    reference = dense_model("adam", seed=1)
+    keras.utils.set_random_seed(7)
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=3, shuffle=True, verbose=0).history
+    trained = dense_model("adam", seed=1)
+    with tempfile.NamedTemporaryFile(suffix=".weights.h5") as file:
+        file.write(result["weights"])
+        file.flush()
+        trained.load_weights(file.name)
+    for a, b in zip(trained.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # The relaunched fit resumed inside epoch 2: its first epoch logs the batches it trained.
+    history = result["metrics"]["history"]
+    assert len(history["loss"]) == 2
+    for key, values in history.items():
+        np.testing.assert_allclose(values[1:], expected[key][-1:], rtol=1e-6, atol=1e-6)
