@@ -4,6 +4,7 @@ ranks it starts, and their first training)."""
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,20 +268,14 @@ def test_without_horovod_installed_the_error_names_the_install():
 def test_the_horovod_install_ships_in_the_wheel_and_runs_from_it(tmp_path):
     """A user who installed kmirror from a wheel has the command the error names: the wheel
     holds it, and it runs (here Horovod is installed already: it says so and changes nothing)."""
-    root = HERE.parent
+    source = tmp_path / "source"  # a copy: building writes into the tree it builds
+    ignored = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(HERE.parent / "kmirror", source / "kmirror", ignore=ignored)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(HERE.parent / name, source / name)
     built = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            tmp_path,
-            root,
-        ],
+        [PYTHON, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -272,10 +272,6 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def train_step(self, data):
         data, place = rows_lib.unpack(data)
-        with placement.eager_empty_rows_explained(self._reducer, data, place):
-            return self._train_step(data, place)
-
-    def _train_step(self, data, place):
         if self._own_training:
             rows = placement.global_rows(self._reducer, data, place)
             self._samples_seen.assign_add(tf.cast(rows, tf.int64))
@@ -296,10 +292,6 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def test_step(self, data):
         data, place = rows_lib.unpack(data)
-        with placement.eager_empty_rows_explained(self._reducer, data, place):
-            return self._test_step(data, place)
-
-    def _test_step(self, data, place):
         if self._own_training:
             return own_step.evaluate(self._model, self._reducer, data, place=place)
         outcome = step.evaluate(
@@ -309,10 +301,6 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def predict_step(self, data):
         data, place = rows_lib.unpack(data)
-        with placement.eager_empty_rows_explained(self._reducer, data, place):
-            return self._predict_step(data, place)
-
-    def _predict_step(self, data, place):
         if "predict_step" in self._own_steps:
             return own_step.predict(self._model, self._reducer, data, place=place)
         if place is not None:

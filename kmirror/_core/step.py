@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from kmirror import errors
 from kmirror._core import accumulation, draws, keras_hooks, sparse_gradients
-from kmirror._core.feed.placement import batch_size, placed, split
+from kmirror._core.feed.placement import batch_size, one_row_at_least, own_rows, placed, split
 from kmirror._core.layer_state import LayerState, after
 from kmirror._core.logged import Logged, Outcome
 from kmirror.reducers.base import Reducer
@@ -53,6 +53,7 @@ def _rows(
         total=total,
         all_sum=_no_sums_under_xla if jit_compile else reducer.all_sum,
         global_statistics=global_statistics,
+        padded=True,  # `one_row_at_least`
     )
 
 
@@ -104,6 +105,7 @@ def train(
 
     def gradients(x, y, sample_weight, start, total):
         rows = _rows(reducer, x, start, total, global_statistics, jit_compile)
+        x, y, sample_weight = one_row_at_least((x, y, sample_weight), rows.count)
         with keras_hooks.replica(rows), tf.GradientTape() as tape:
             y_pred = _call(model, x, training=True)
             loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=True)
@@ -111,7 +113,8 @@ def train(
         grads = rows.only_with_rows(tape.gradient(scaled, variables))
         if not optimizer.gradient_accumulation_steps:  # accumulated gradients are summed dense
             shared[:] = sparse_gradients.shared_lookups(grads, (x, y, sample_weight), variables)
-        return loss, (y_pred, keras_hooks.masks_of(y_pred)), grads
+        outputs = own_rows((y_pred, keras_hooks.masks_of(y_pred)), rows.count)
+        return loss, outputs, grads
 
     if jit_compile:
         gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True)
@@ -122,7 +125,7 @@ def train(
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
         before = state.before()
-        with state.recording():
+        with state.recording_rows(batch_size(x) > 0):
             loss, outputs, grads = gradients(x, y, sample_weight, start, total)
         # The gradients are summed, and the weights updated, after the checks of the state.
         checks = state.combine(before)
@@ -191,12 +194,14 @@ def evaluate(
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
         rows = _rows(reducer, x, start, total, global_statistics=False)
+        own = (x, y, sample_weight)
+        padded = one_row_at_least(own, rows.count)
         before = state.before()
-        with keras_hooks.replica(rows), state.recording():
-            y_pred = _call(model, x, training=False)
-            loss = _loss_part(model, x, y, y_pred, sample_weight, rows, training=False)
+        with keras_hooks.replica(rows), state.recording_rows(rows.count > 0):
+            y_pred = _call(model, padded[0], training=False)
+            loss = _loss_part(model, *padded[:2], y_pred, padded[2], rows, training=False)
         loss = after(state.combine(before), loss)
-        outputs = (y_pred, keras_hooks.masks_of(y_pred))
+        outputs = own_rows((y_pred, keras_hooks.masks_of(y_pred)), rows.count)
         return logged.local(loss, y, outputs, sample_weight, total)
 
     return logged.combine(reducer, reducer.run(local_step, args=(shards,)))
@@ -209,10 +214,11 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     state = _layer_state(model, reducer, global_statistics=False)
 
     def local_step(local):
+        count = batch_size(local[0])
         before = state.before()
-        with state.recording():
-            y_pred = _call(model, local[0], training=False)
-        return after(state.combine(before), y_pred)
+        with state.recording_rows(count > 0):
+            y_pred = _call(model, one_row_at_least(local[0], count), training=False)
+        return after(state.combine(before), own_rows(y_pred, count))
 
     return reducer.concat(reducer.run(local_step, args=(shards,)))
 

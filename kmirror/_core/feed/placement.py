@@ -14,8 +14,6 @@ shards = placement.split(reducer, (x, y, sample_weight))  # per replica: rows, f
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -24,13 +22,14 @@ from kmirror._core.feed import rows as rows_lib
 from kmirror.reducers.base import Reducer
 
 __all__ = [
+    "one_row_at_least",
+    "own_rows",
     "batch_size",
     "shard",
     "split",
     "located",
     "placed",
     "global_rows",
-    "eager_empty_rows_explained",
 ]
 
 
@@ -113,27 +112,25 @@ def placed(reducer: Reducer, x, start, total, place) -> tuple:
     return located(reducer, batch_size(x)) if place is rows_lib.COUNTED else (start, total)
 
 
-@contextlib.contextmanager
-def eager_empty_rows_explained(reducer: Reducer, data: Any, place: Any = None) -> Iterator[None]:
-    """Around a step run eagerly (`run_eagerly=True`): an error raised while some of this
-    process's replicas had no rows says so. Eagerly, Keras' layers see a replica's empty batch
-    with its concrete shape, and some fail on it (Keras 3.15.1: the LSTM and GRU cells, global
-    max pooling), where a traced step, whose row count is unknown when traced, runs them."""
-    try:
-        yield
-    except (tf.errors.OpError, ValueError) as error:
-        if not tf.executing_eagerly():
-            raise
-        counts = reducer.run(
-            lambda shard: batch_size(shard[0]), args=(split(reducer, data, place),)
-        )
-        empty = sum(int(count) == 0 for count in reducer.local_values(counts))
-        if not empty:
-            raise
-        raise ValueError(
-            f"kmirror: this batch left {empty} of this process's replicas without rows, and with "
-            "run_eagerly=True Keras' layers ran eagerly on their empty batch, which a layer of "
-            f"this model cannot ({type(error).__name__}). Compile with run_eagerly=False "
-            "(kmirror's traced step runs every layer on no rows), or choose a batch size that "
-            "leaves no final batch smaller than the replica count."
-        ) from error
+def one_row_at_least(data, count: tf.Tensor):
+    """`data` (a nest of tensors, rows first) with one row of zeros added where it has no rows
+    (`count` 0): the replica computes on that row, and only its first `count` rows are its own
+    (`Rows.padded`). TensorFlow's oneDNN CPU kernels of the float32 convolutions mistake a batch
+    of no rows, forward and backward (an output of the input's shape; an abort; checked on
+    TensorFlow 2.19 and 2.21); a replica with rows adds none."""
+    missing = 1 - tf.minimum(count, 1)
+
+    def pad(tensor):
+        if tensor is None or isinstance(tensor, tf.SparseTensor | tf.RaggedTensor):
+            return tensor
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank == 0:
+            return tensor
+        return tf.pad(tensor, [[0, missing]] + [[0, 0]] * (tensor.shape.rank - 1))
+
+    return tf.nest.map_structure(pad, data)
+
+
+def own_rows(values, count: tf.Tensor):
+    """The first `count` rows of each tensor of `values`: the replica's own."""
+    return tf.nest.map_structure(lambda t: None if t is None else t[:count], values)

@@ -70,6 +70,11 @@ def _reduce_weighted_values(
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
     if mask is not None:
         mask = ops.convert_to_tensor(mask, dtype=dtype)
+    if rows.padded:  # a replica without rows computed on a row of zeros: not its own
+        values, sample_weight, mask = (
+            None if t is None or t.shape.rank == 0 else t[: rows.count]
+            for t in (values, sample_weight, mask)
+        )
     # Plain weights: sample weight times the 0/1 mask (Keras normalises the mask by the replica's
     # own count for the mean reductions; the global count replaces that below).
     weights = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
