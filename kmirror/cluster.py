@@ -121,12 +121,12 @@ def connect(cluster_spec=None, task_type: str | None = None, task_id: int | None
 
     TensorFlow configures its collective ops (the gRPC transport between workers) only before it
     runs anything, so this must be the first TensorFlow work of the script. Without `cluster_spec`
-    it reads `TF_CONFIG`, as Kubernetes operators set it; without that, in a Slurm job step of
-    several tasks (`srun -n 2 python train.py`), Slurm's environment (`_core.slurm`): one
-    worker per task, worker `SLURM_PROCID`, the step's nodes, ports from 8888 on each node as
-    TensorFlow's `SlurmClusterResolver` gives them (`KMIRROR_SLURM_PORT` sets another first
-    port). Without any of
-    these it does nothing and returns None (one process). Calling it again with the same cluster
+    it reads `TF_CONFIG`, as Kubernetes operators and Ray Train set it; without that, in a
+    Slurm job step of several tasks (`srun -n 2 python train.py`), Slurm's environment
+    (`_core.slurm`): one worker per task, worker `SLURM_PROCID`, the step's nodes, ports from
+    8888 on each node as TensorFlow's `SlurmClusterResolver` gives them (`KMIRROR_SLURM_PORT`
+    sets another first port). Without any of these it does nothing and returns None (one
+    process). Calling it again with the same cluster
     is harmless.
 
     Example:

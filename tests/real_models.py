@@ -12,9 +12,11 @@ So these models are trained and compared in float64:
 - keras.io's "image classification from scratch" and "timeseries classification from scratch"
   models agree with one device within 1e-10 (measured: 3e-13 to 3e-12).
 - The deep `keras.applications` models (up to 121 layers) amplify float64 rounding too: one device
-  against itself with each batch's rows permuted differs by 1.2e-10 to 6.5e-10 after their 4
-  steps (MobileNetV2, ResNet50, DenseNet121). kmirror lands in that noise (measured 1.2e-10 to
-  1.0e-9); they are asserted within 2e-9, three times the largest noise measured.
+  against itself with each batch's rows permuted differs by 1.2e-10 to 6.5e-10 after 4 steps
+  (MobileNetV2, ResNet50, DenseNet121; batches of 7 and 5 rows). kmirror lands in that noise
+  (measured 1.2e-10 to 1.0e-9); they are asserted within 2e-9, three times the largest noise
+  measured. The suite trains the largest of them 2 steps (a batch of 7 rows per epoch), where
+  the noise is smaller still.
 
 With a batch of 5 rows or fewer at ResNet50's last stage (1 x 1 pixels at 32 x 32) even float64
 is chaotic; it trains at 64 x 64. ConvNeXtTiny has no batch statistics (LayerNormalization): in
@@ -66,11 +68,12 @@ def application(name: str, size: int, classes: int = 10, seed: int = 1) -> keras
 @dataclasses.dataclass(frozen=True)
 class Deep:
     """A `keras.applications` model trained 2 epochs: `rows` rows in batches of `batch` (7: not
-    divisible by 2 or 3; the final batch of 5 is split 2/3 and 1/2/2), images of `size` pixels."""
+    divisible by 2 or 3, split 3/4 and 2/2/3), images of `size` pixels. One batch per epoch by
+    default: each side traces the step once."""
 
     name: str
     size: int = 32
-    rows: int = 12
+    rows: int = 7
     batch: int = 7
     epochs: int = 2
     floatx: str = "float64"

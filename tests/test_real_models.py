@@ -58,8 +58,9 @@ CASES = [(name, n, reducer) for name in DEEP for n, reducer in DEEP[name].replic
 
 @pytest.mark.parametrize("name, n, reducer", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_deep_model_trains_as_on_one_device(name, n, reducer):
-    """2 epochs of batches of 7 rows and a final batch smaller than 7: not divisible by 2 or 3,
-    uneven (`Deep.replicas`: the replica counts and reducers each model trains on)."""
+    """2 epochs of batches of 7 rows (not divisible by 2 or 3: uneven shares), MobileNetV2's with
+    a final batch of 1 row (`Deep.replicas`: the replica counts and reducers each model trains
+    on)."""
     deep = DEEP[name]
     weights, history = deep_reference(name)
     with precision(deep.floatx):
