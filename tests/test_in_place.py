@@ -115,6 +115,28 @@ def test_changes_through_the_users_references_take_effect_as_keras_takes_them():
     assert float(wrapped.optimizer.learning_rate.numpy()) == pytest.approx(0.02)
 
 
+def test_a_compile_through_the_users_reference_is_taken_at_the_next_fit():
+    """`model.compile(...)` on the user's model after `wrap` (as Keras' own tests do): the
+    wrapped model trains and logs with the new settings, as the plain model does."""
+    x, y = dense_data()
+    histories, models = [], []
+    for wrapped in (False, True):
+        user = dense_model("sgd")
+        model = kmirror.wrap(user, devices=cpus(2)) if wrapped else user
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        user.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        )
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        histories.append(history.history)
+        models.append(model)
+    assert "acc" in histories[1] and "accuracy" not in histories[1]
+    assert_same_history(*histories)
+    assert max_weight_difference(*models) < 1e-5
+
+
 class Counted(keras.layers.Layer):
     """Keras' own test layer pattern: a variable the user made, counting the layer's calls."""
 

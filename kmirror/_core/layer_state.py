@@ -26,8 +26,8 @@ Example:
 state = LayerState(model, reducer, global_statistics=True)
 def replica_step(...):             # in replica context
     before = state.before()
-    with state.recording():
-        ...                        # the replica's forward pass
+    with state.recording(rows > 0):
+        ...                        # the replica's forward pass (on one row if it has none)
     loss = after(state.combine(before), loss)   # the weights are updated after the checks
 ```
 """
@@ -92,15 +92,12 @@ class LayerState:
             if self._aggregation_of(v) == "sum"
         }
 
-    def recording(self) -> contextlib.AbstractContextManager:
-        """The block whose writes to the model's state are recorded (the replica's forward)."""
-        return keras_hooks.recording(self._written)
-
     @contextlib.contextmanager
-    def recording_rows(self, has_rows: tf.Tensor) -> Iterator[None]:
-        """`recording`, for a layer call of a model's own step, where a replica without rows
-        computes on one row of the batch (`_core.global_batch`): what the call adds to a
-        `"sum"` weight there is taken back."""
+    def recording(self, has_rows: tf.Tensor) -> Iterator[None]:
+        """The block whose writes to the model's state are recorded (a replica's forward, or a
+        layer call of a model's own step). A replica without rows (`has_rows` false) computes on
+        a row that is not its own (`_core.feed.placement.one_row_at_least`,
+        `_core.global_batch`): what the block adds to a `"sum"` weight there is taken back."""
         sums = [v for v in self._candidates if self._aggregation_of(v) == "sum"]
         before = {id(v): keras_hooks.storage(v).read_value() for v in sums}
         written = {}

@@ -358,10 +358,10 @@ class MirroredModel(keras_hooks.ModelOverrides):
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         self._check_wrapped()
+        inputs_lib.check_batch_size("batch_size", batch_size)
         if not self._model.built:
             first = keras_hooks.first_batch(x, batch_size)
             self._builder.build(data_batch=first, step="predict_step")
-        inputs_lib.check_batch_size("batch_size", batch_size)
         if not self.is_chief and verbose == "auto":
             verbose = 0
         job = self._reducer.job

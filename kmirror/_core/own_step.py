@@ -139,7 +139,7 @@ def _run(
             all_sum=reducer.all_sum,
             reduce_gradients=reducer.reduce_in_replica,
             variable_scope=reducer.scope,
-            recording=state.recording_rows,
+            recording=state.recording,
             global_statistics=global_statistics,
         )
         before = state.before()

@@ -125,7 +125,7 @@ def train(
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
         before = state.before()
-        with state.recording_rows(batch_size(x) > 0):
+        with state.recording(batch_size(x) > 0):
             loss, outputs, grads = gradients(x, y, sample_weight, start, total)
         # The gradients are summed, and the weights updated, after the checks of the state.
         checks = state.combine(before)
@@ -197,7 +197,7 @@ def evaluate(
         own = (x, y, sample_weight)
         padded = one_row_at_least(own, rows.count)
         before = state.before()
-        with keras_hooks.replica(rows), state.recording_rows(rows.count > 0):
+        with keras_hooks.replica(rows), state.recording(rows.count > 0):
             y_pred = _call(model, padded[0], training=False)
             loss = _loss_part(model, *padded[:2], y_pred, padded[2], rows, training=False)
         loss = after(state.combine(before), loss)
@@ -216,7 +216,7 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     def local_step(local):
         count = batch_size(local[0])
         before = state.before()
-        with state.recording_rows(count > 0):
+        with state.recording(count > 0):
             y_pred = _call(model, one_row_at_least(local[0], count), training=False)
         return after(state.combine(before), own_rows(y_pred, count))
 
