@@ -453,47 +453,50 @@ FEATURES = {
     "every_layer_family_adam": _every_family("adam"),
     "every_layer_family_float32": _every_family("sgd", "float32"),
     **{
-        name: Feature(build, data, tolerance=1e-10, floatx="float64")
-        for name, build, data in [
-            ("own_step_raw_logs", global_steps.raw_logs, global_steps.unlabelled),
-            ("own_step_batch_norm", global_steps.batch_norm_step, global_steps.labelled),
-            ("own_step_per_row_loss", global_steps.per_row_loss, global_steps.labelled),
-            ("own_step_info_nce", global_steps.info_nce, global_steps.unlabelled),
-            ("own_step_global_draw", global_steps.global_draw, global_steps.divisible),
-            ("own_step_uneven_metric", global_steps.uneven_metric, global_steps.unlabelled),
-            ("own_step_regularised", global_steps.regularised, global_steps.labelled),
-            ("own_step_gradient_penalty", global_steps.gradient_penalty, global_steps.unlabelled),
-            ("compiled_contrastive", global_steps.compiled_contrastive, global_steps.classes),
-            ("own_step_unseeded", global_steps.unseeded, global_steps.unlabelled),
+        name: Feature(build, data, tolerance=1e-10, floatx="float64", validation=validation)
+        for name, build, data, validation in [
+            ("own_step_raw_logs", global_steps.raw_logs, global_steps.unlabelled, None),
+            ("own_step_batch_norm", global_steps.batch_norm_step, global_steps.labelled, None),
+            ("own_step_per_row_loss", global_steps.per_row_loss, global_steps.labelled, None),
+            ("own_step_info_nce", global_steps.info_nce, global_steps.unlabelled, None),
+            ("own_step_global_draw", global_steps.global_draw, global_steps.divisible, None),
+            ("own_step_uneven_metric", global_steps.uneven_metric, global_steps.unlabelled, None),
+            ("own_step_regularised", global_steps.regularised, global_steps.labelled, None),
+            (
+                "own_step_gradient_penalty",
+                global_steps.gradient_penalty,
+                global_steps.unlabelled,
+                None,
+            ),
+            ("compiled_contrastive", global_steps.compiled_contrastive, global_steps.classes, None),
+            ("own_step_unseeded", global_steps.unseeded, global_steps.unlabelled, None),
             (
                 "compiled_coupled_losses",
                 global_steps.coupled_losses,
                 global_steps.masks_and_classes,
+                None,
             ),
             (
                 "compiled_coupled_metrics",
                 lambda: global_steps.coupled_losses(coupled=False),
                 global_steps.masks_and_classes,
+                None,
+            ),
+            ("random_crop", global_steps.random_crop, global_steps.pictures, None),
+            (
+                "reshuffled_py_dataset",
+                global_steps.reshuffled_model,
+                global_steps.reshuffled,
+                global_steps.reshuffled_validation,
+            ),
+            (
+                "own_step_self_supervised",
+                global_steps.self_supervised,
+                global_steps.zipped,
+                global_steps.validation,
             ),
         ]
     },
-    "random_crop": Feature(
-        global_steps.random_crop, global_steps.pictures, tolerance=1e-10, floatx="float64"
-    ),
-    "reshuffled_py_dataset": Feature(
-        global_steps.reshuffled_model,
-        global_steps.reshuffled,
-        tolerance=1e-10,
-        floatx="float64",
-        validation=global_steps.reshuffled_validation,
-    ),
-    "own_step_self_supervised": Feature(
-        global_steps.self_supervised,
-        global_steps.zipped,
-        tolerance=1e-10,
-        floatx="float64",
-        validation=global_steps.validation,
-    ),
 }
 
 
