@@ -39,11 +39,10 @@ model.fit(data, epochs=1)   # 32 rows per step in all; each process loads only i
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from kmirror._core.feed.py_datasets import RowDataset
-from kmirror._core.feed.rows import COUNTED, LOCAL, bounds, row_count, unpack
+from kmirror._core.feed.rows import COUNTED, LOCAL, bounds, is_row_count, row_count, unpack
 from kmirror._core.feed.rows import placed as placed_rows
 from kmirror.cluster import process
 
@@ -210,11 +209,7 @@ def _applied(map_fn):
 
 
 def _check_batch_size(global_batch_size) -> None:
-    if (
-        not isinstance(global_batch_size, int | np.integer)
-        or isinstance(global_batch_size, bool)
-        or global_batch_size < 1
-    ):
+    if not is_row_count(global_batch_size):
         raise ValueError(
             f"global_batch_size must be a whole number >= 1 (the rows of one step over the whole "
             f"job); got {global_batch_size!r}."

@@ -71,9 +71,11 @@ class Fit:
         not on the training data's batch: a model that cannot be checked symbolically is not
         refused), once, before the first step: one device would train an epoch before it failed."""
         validation = inputs_lib.batch_spec(self._validation)
-        self._validation = None
+        self._validation = None  # checked once: later calls (each epoch's validation) skip
+        if validation is None:
+            return
         training = inputs_lib.batch_spec(self._training)
-        if validation is None or training is None:
+        if training is None:
             return
         try:
             check(validation)

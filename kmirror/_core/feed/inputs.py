@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kmirror import data as data_lib
@@ -68,9 +67,7 @@ def arguments_of(method, model, args, kwargs, chief: bool) -> dict:
 
 def check_batch_size(name: str, value) -> None:
     """Refuses a batch size that is not None or a whole number >= 1."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+    if value is not None and not rows_lib.is_row_count(value):
         raise ValueError(
             f"{name}={value!r}: give a whole number >= 1 (the global batch: the rows of one step "
             "over every replica), or None for Keras' default."

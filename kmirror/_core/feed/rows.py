@@ -16,9 +16,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["ROWS", "PLACE", "LOCAL", "COUNTED", "bounds", "placed", "unpack", "row_count"]
+__all__ = [
+    "ROWS",
+    "PLACE",
+    "LOCAL",
+    "COUNTED",
+    "bounds",
+    "placed",
+    "unpack",
+    "row_count",
+    "is_row_count",
+]
 
 # The keys of a batch that holds one process's rows (a dict no user batch is spelled as).
 ROWS, PLACE, LOCAL = "kmirror_rows", "kmirror_place", "kmirror_local_batch"
@@ -56,3 +67,8 @@ def row_count(batch) -> tf.Tensor:
     """The rows of a (nested) batch, as an int64 tensor."""
     first = tf.nest.flatten(batch)[0]
     return tf.shape(first, out_type=tf.int64)[0]
+
+
+def is_row_count(value) -> bool:
+    """Whether `value` is a count of rows a batch can have: a whole number >= 1 (not a bool)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
