@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,23 +171,19 @@ def test_keras_own_backup_and_restore_resumes_mid_epoch_as_kmirrors(tmp_path):
     assert not (tmp_path / "backup").exists(), "the backup is removed after a normal end"
 
 
-#: Keras' own tests of its checkpoint callbacks that a wrapped model passes as they are. The
-#: others of backup_and_restore_test.py read the fields of Keras' callback object
-#: (`_current_epoch`, `_last_batch_seen`, `_weights_path`), which kmirror's callback in its place
-#: does not keep, and test_best_case_step counts the batches of the interrupted epoch trained a
-#: second time (Keras restarts the epoch; kmirror resumes inside it, as the uninterrupted run).
-KERAS_TESTS = [
-    "model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_options",
-    "model_checkpoint_test.py::ModelCheckpointTest::test_model_checkpoint_loading",
-    "backup_and_restore_test.py::BackupAndRestoreCallbackTest::test_model_deleted_case_epoch",
-]
+#: Keras' own test files of its checkpoint callbacks, run with every model wrapped.
+KERAS_TESTS = ["backup_and_restore_test.py", "model_checkpoint_test.py"]
 
 
 def test_keras_own_checkpoint_tests_pass_with_every_model_wrapped(tmp_path):
+    """Every test passes but the one that counts the interrupted epoch's first batches trained a
+    second time: Keras restarts the epoch (2 + 15 calls of its counting layer); kmirror resumes
+    inside it, as the uninterrupted run trains (2 + 13, 15 in all)."""
     folder = Path(keras.__file__).parent / "src" / "callbacks"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "wrap_every_model"]
+        + ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
         + [str(folder / test) for test in KERAS_TESTS],
         capture_output=True,
         text=True,
@@ -194,7 +191,15 @@ def test_keras_own_checkpoint_tests_pass_with_every_model_wrapped(tmp_path):
         cwd=tmp_path,
         env=env,
     )
-    assert f"{len(KERAS_TESTS)} passed" in done.stdout, done.stdout[-3000:]
+    failed = [
+        line.split("::", 1)[1].split(" - ")[0]
+        for line in done.stdout.splitlines()
+        if line[:6] == "FAILED"
+    ]
+    assert failed == ["BackupAndRestoreCallbackTest::test_best_case_step"], done.stdout[-5000:]
+    assert "AssertionError: 15 != 17" in done.stdout, done.stdout[-5000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= 8, done.stdout[-3000:]
 
 
 @pytest.mark.parametrize("replicas", [3, 1])

@@ -13,8 +13,9 @@ length of a `fit`, `evaluate` or `predict` call:
 - `TensorBoard` and `CSVLogger`, which decide nothing, run on the chief only;
 - Keras' `BackupAndRestore` is replaced, for a wrapped model's `fit`, by
   `kmirror.callbacks.BackupAndRestore` made with its arguments (`stand_ins`): the chief backs up,
-  and a relaunch resumes inside the interrupted epoch exactly, on any number of processes. (The
-  Keras object itself is not run: its own fields, such as `_current_epoch`, stay as they were.) A
+  and a relaunch resumes inside the interrupted epoch exactly, on any number of processes. The
+  Keras object is not run, but its fields read as Keras' own would (`_current_epoch`,
+  `_last_batch_seen`, and the paths of the latest and previous backups: kmirror's files). A
   subclass of it, whose hooks kmirror would not run, is refused with an error naming kmirror's.
 
 kmirror's own callbacks, and every other callback (`EarlyStopping`, `ReduceLROnPlateau`, ...:
@@ -66,15 +67,57 @@ def stand_ins(callbacks):
     for callback in callbacks:
         if type(callback) is keras.callbacks.BackupAndRestore:
             if callback not in _STOOD_IN:
-                _STOOD_IN[callback] = BackupAndRestore(
-                    callback.backup_dir,
-                    save_freq=callback.save_freq,
-                    double_checkpoint=callback.double_checkpoint,
-                    delete_checkpoint=callback.delete_checkpoint,
-                )
+                _STOOD_IN[callback] = _StandIn(callback)
             callback = _STOOD_IN[callback]
         chosen.append(callback)
     return chosen
+
+
+class _StandIn(BackupAndRestore):
+    """kmirror's BackupAndRestore made with the arguments of Keras' `keras_own`, keeping that
+    object's fields as Keras' hooks would set them (read by whoever holds Keras' object; checked
+    on Keras 3.12 to 3.15): `_current_epoch` the epochs done, `_last_batch_seen` the last batch
+    of the epoch (0 after it), and `_weights_path`, `_training_metadata_path` and their
+    `_prev_` forms the chief's files of the latest and previous backups."""
+
+    def __init__(self, keras_own: keras.callbacks.BackupAndRestore) -> None:
+        super().__init__(
+            keras_own.backup_dir,
+            save_freq=keras_own.save_freq,
+            double_checkpoint=keras_own.double_checkpoint,
+            delete_checkpoint=keras_own.delete_checkpoint,
+        )
+        self._keras_own = weakref.ref(keras_own)  # Keras' object keys `_STOOD_IN`
+
+    def _show(self, **fields) -> None:
+        keras_own = self._keras_own()
+        for name, value in fields.items() if keras_own is not None else ():
+            setattr(keras_own, name, value)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self._every is not None:
+            self._show(_last_batch_seen=self._position.step - 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._show(_current_epoch=epoch + 1, _last_batch_seen=0)
+
+    def _write_index(self, position, weights: str, sha256: str, inside_epoch: bool) -> None:
+        super()._write_index(position, weights, sha256, inside_epoch)
+        previous = self._written.get("previous", {}).get("weights")
+        self._show(
+            _weights_path=str(self.backup_dir / weights),
+            _training_metadata_path=str(self._index),
+            **(
+                {
+                    "_prev_weights_path": str(self.backup_dir / previous),
+                    "_prev_training_metadata_path": str(self._index),
+                }
+                if previous
+                else {}
+            ),
+        )
 
 
 def check(callbacks) -> None:
