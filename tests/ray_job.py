@@ -4,13 +4,15 @@ loopback), each wrapping its model with reducer="ring" (tests/test_ray.py).
     python ray_job.py OUT [--kill]
 
 Each worker starts from its own weights (seeded by its rank) and trains the dense model of
-tests/models.py for 3 epochs with kmirror's BackupAndRestore in OUT/backup, then reports its
-history; the chief alone reports a checkpoint of the weights. With --kill, worker 1 exits after
-batch 2 of epoch 2 (once: OUT/killed marks it) and Ray Train starts the worker group again
-(`FailureConfig(max_failures=1)`). Writes the chief's metrics, the checkpoint's files and weights,
-and what each report said to OUT/result.pkl.
+tests/models.py for 3 epochs with kmirror's BackupAndRestore in OUT/backup and Ray Train's
+`ReportCheckpointCallback` (a report at each epoch's end, with a checkpoint of the model), then
+reports its history. With --kill, worker 1 exits after batch 2 of epoch 2 (once: OUT/killed marks
+it) and Ray Train starts the worker group again (`FailureConfig(max_failures=1)`). Writes the
+metrics of the last checkpoint, its files and its model file to OUT/result.pkl, and each report a
+worker made (its metrics, whether it held a checkpoint) to OUT/reports-RANK.jsonl.
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -37,10 +39,15 @@ def train_loop_per_worker(config):
     kmirror.cluster.connect()  # the TF_CONFIG Ray Train set, before any model is built
     import keras
     from models import BATCH, dense_data, dense_model
+    from ray.train.tensorflow.keras import ReportCheckpointCallback
 
     rank = ray.train.get_context().get_world_rank()
     out = Path(config["out"])
-    callbacks = [kmirror.callbacks.BackupAndRestore(out / "backup", save_freq=2)]
+    ray.train.report = Recorded(ray.train.report, out / f"reports-{rank}.jsonl")
+    callbacks = [
+        kmirror.callbacks.BackupAndRestore(out / "backup", save_freq=2),
+        ReportCheckpointCallback(),
+    ]
     if config["kill"] and rank == 1 and not (out / "killed").exists():
         callbacks.append(Exit(out / "killed", epoch=1, batch=1))
     x, y = dense_data()
@@ -49,13 +56,21 @@ def train_loop_per_worker(config):
     history = model.fit(
         x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=callbacks
     )
-    with tempfile.TemporaryDirectory() as folder:
-        checkpoint = None
-        if model.is_chief:
-            model.save_weights(os.path.join(folder, "model.weights.h5"))
-            checkpoint = ray.train.Checkpoint.from_directory(folder)
-        metrics = {"history": history.history, "rank": rank, "chief": model.is_chief}
-        ray.train.report(metrics, checkpoint=checkpoint)
+    metrics = {"history": history.history, "rank": rank, "chief": model.is_chief}
+    ray.train.report(metrics)
+
+
+class Recorded:
+    """`ray.train.report`, each call noted in a file: the loss reported and whether a checkpoint
+    went with it."""
+
+    def __init__(self, report, file: Path):
+        self.report, self.file = report, file
+
+    def __call__(self, metrics, checkpoint=None, **kwargs):
+        with open(self.file, "a") as f:
+            f.write(json.dumps({"metrics": metrics, "checkpoint": checkpoint is not None}) + "\n")
+        return self.report(metrics, checkpoint=checkpoint, **kwargs)
 
 
 class Exit:
@@ -100,9 +115,9 @@ def run(out: Path, kill: bool, folder: str) -> None:
     result = trainer.fit()
     with result.checkpoint.as_directory() as folder:
         files = sorted(os.listdir(folder))
-        weights = (Path(folder) / "model.weights.h5").read_bytes()
+        model = (Path(folder) / "model.keras").read_bytes()
     with open(out / "result.pkl", "wb") as f:
-        pickle.dump({"metrics": result.metrics, "files": files, "weights": weights}, f)
+        pickle.dump({"metrics": result.metrics, "files": files, "model": model}, f)
     ray.shutdown()
 
 

@@ -31,7 +31,7 @@ LAYERS = [
     + ["accumulation", "step", "own_step"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["callbacks", "callbacks.backup", "callbacks.checkpoint", "callbacks.tensorboard"]
-    + ["callbacks.keras_own", "callbacks.preemption"]
+    + ["callbacks.keras_own", "callbacks.ray_train", "callbacks.preemption"]
     + ["feed.inputs", "feed.resume", "fitting", "chief_state", "building", "compiling"],
     # The model.
     ["model"],

@@ -9,8 +9,9 @@
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
 process, so `EarlyStopping` stops every process at the same epoch. In a job of several processes
 Keras' own `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write once, from the chief
-(`keras_own`); Keras' `BackupAndRestore` runs as this package's. A NaN or infinite loss
-stops every process at the same step with `kmirror.errors.NonFiniteLoss`. With a
+(`keras_own`); Keras' `BackupAndRestore` runs as this package's; Ray Train's
+`ReportCheckpointCallback` reports its checkpoint from the chief alone (`ray_train`). A NaN or
+infinite loss stops every process at the same step with `kmirror.errors.NonFiniteLoss`. With a
 `BackupAndRestore`, `SIGTERM` to any process stops every process before the same step, backed up
 there, with exit code `EXIT_PREEMPTED` (75; `kmirror.callbacks.preemption`).
 

@@ -18,6 +18,9 @@ length of a `fit`, `evaluate` or `predict` call:
   `_last_batch_seen`, and the paths of the latest and previous backups: kmirror's files). A
   subclass of it, whose hooks kmirror would not run, is refused with an error naming kmirror's.
 
+Ray Train's `ReportCheckpointCallback` reports a checkpoint from the chief only
+(`kmirror.callbacks.ray_train`).
+
 kmirror's own callbacks, and every other callback (`EarlyStopping`, `ReduceLROnPlateau`, ...:
 the same decisions on every process), run as given. Within one process every callback runs as
 given.
@@ -38,6 +41,7 @@ import weakref
 import keras
 
 from kmirror._core import keras_hooks
+from kmirror.callbacks import ray_train
 from kmirror.callbacks.backup import BackupAndRestore
 from kmirror.callbacks.checkpoint import ChiefCheckpoint
 from kmirror.callbacks.tensorboard import ChiefTensorBoard
@@ -155,5 +159,8 @@ def written_once(callbacks, job):
             chosen.append(callback)
         elif not isinstance(callback, _CHIEF_ONLY) or job.is_chief:
             chosen.append(callback)
-    with keras_hooks.checkpoints_written_by(hooked, ChiefCheckpoint._write_checkpoint):
+    with (
+        keras_hooks.checkpoints_written_by(hooked, ChiefCheckpoint._write_checkpoint),
+        ray_train.chief_checkpoints(chosen, job.is_chief),
+    ):
         yield chosen
