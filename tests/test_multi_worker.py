@@ -306,6 +306,53 @@ def test_a_killed_worker_makes_the_other_fail_with_a_message(tmp_path):
     assert "PeerLost" in output and "another worker of the job stopped" in output
 
 
+JOINED_BY_WRAP = """
+import numpy as np
+import keras
+import kmirror
+
+
+def unbuilt():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+
+
+def compiled(model):
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    return model
+
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(70, 8)).astype("float32"), rng.integers(0, 3, size=70)
+# No kmirror.cluster.connect(): TensorFlow has not started (nothing is built or compiled yet).
+model = compiled(kmirror.wrap(unbuilt(), reducer="ring"))
+history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+plain = compiled(unbuilt())
+expected = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+pairs = zip(model.get_weights(), plain.get_weights())
+weights = max(float(np.max(np.abs(a - b))) for a, b in pairs)
+logs = max(abs(a - b) for k in expected for a, b in zip(history[k], expected[k]))
+print("RESULT", model.num_replicas, weights, logs)
+"""
+
+
+def test_wrap_joins_the_tf_config_cluster_itself_before_tensorflow_starts(tmp_path):
+    """A script that wraps its model before building or compiling it (TensorFlow not started)
+    joins the cluster TF_CONFIG describes without calling `kmirror.cluster.connect()`."""
+    script = tmp_path / "joined_by_wrap.py"
+    script.write_text(JOINED_BY_WRAP)
+    done = subprocess.run(
+        launch([str(script)], timeout=240), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    results = [line.split()[-3:] for line in done.stdout.splitlines() if "RESULT" in line]
+    assert len(results) == 2, done.stdout[-3000:]
+    for replicas, weights, logs in results:
+        assert int(replicas) == 2, "each worker joined the job of 2"
+        assert float(weights) < 1e-6 and float(logs) < 1e-6
+
+
 SPEC = {"worker": ["127.0.0.1:1111", "127.0.0.1:2222"]}
 
 
