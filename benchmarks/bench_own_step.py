@@ -12,9 +12,16 @@ kmirror runs the step on the whole batch on every replica, each layer call on th
 (the step computes what one device computes); native MirroredStrategy runs it on each replica's
 rows and sums the gradients (each replica's contrastive loss then sees its rows only).
 
-Time: both fit in one process on the same devices, interleaved rounds, medians. Peak memory: the
-peak of TensorFlow's allocator for tensors, each side in its own child process
-(`TF_CPU_ALLOCATOR_USE_BFC=true`), the median of `--memory-runs` children each.
+Time: both fit in one process on the same devices, interleaved rounds, medians. Peak memory:
+each side in its own child process, the peak of TensorFlow's allocator for tensors during a
+training step (`TF_CPU_ALLOCATOR_USE_BFC=true`), the median over the steps of 2 epochs, then over
+`--memory-runs` children. Simulated devices share one host allocator, which counts whatever the
+replicas hold at the same moment: on GPUs each replica's pass runs at once, on a device of its
+own. So each child runs with enough inter-op threads (`THREADS_PER_REPLICA` per replica) that the
+replicas' passes run at once on both sides, as on devices, and its figure is their sum. (With
+fewer threads than replicas need, native MirroredStrategy's replicas may run one after another
+and count one replica's activations at a time; kmirror's replicas meet at every layer call's
+join, so theirs always overlap.)
 
 Writes `"own_step": {"dcgan": {"time": r, "peak_memory": r, ...}, "simclr": {...}}` to
 benchmarks/results.json.
@@ -35,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 BATCH, SIZE, LATENT = 64, 64, 64
+#: Inter-op threads per replica in a memory child: enough that the replicas' passes overlap.
+THREADS_PER_REPLICA = 4
 SIDES = ("kmirror", "native")
 PROGRAMS = ("dcgan", "simclr")
 
@@ -161,14 +170,29 @@ def build(program: str, side: str, devices):
 
 
 def child(program: str, side: str, devices: int, batches: int) -> None:
-    """Trains one side for 2 epochs and prints its peak tensor memory (MiB) as JSON."""
+    """Trains one side for 2 epochs and prints the median of its steps' peak tensor memory
+    (MiB) as JSON."""
     import kmirror
 
     simulated = kmirror.devices.simulate(devices)
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(THREADS_PER_REPLICA * devices)
     model = build(program, side, simulated)
     x, y = data(program, batches)
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    common.print_peak_memory(tensor_peak_mib=common.tensor_peak_mib(simulated))
+    peaks = []
+
+    class StepPeaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            for device in simulated:
+                tf.config.experimental.reset_memory_stats(device)
+
+        def on_train_batch_end(self, batch, logs=None):
+            peaks.append(common.tensor_peak_mib(simulated))
+
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StepPeaks()])
+    common.print_peak_memory(tensor_peak_mib=statistics.median(peaks))
 
 
 def peak(program: str, side: str, devices: int, batches: int, runs: int) -> float:

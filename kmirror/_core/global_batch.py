@@ -17,6 +17,10 @@ gradient from the calls is `n` times the part its replica's rows give. What the 
 from a weight outside the calls (a regulariser) gives the weight its whole gradient on every
 replica: the sum over the replicas, divided by `n` (`_core.own_step`), is one device's gradient.
 
+A call whose input is another call's joined output computes on the rows the replica computed
+(`rows_computed`): the same rows, as both calls split the same number of rows alike, with no join
+and no copy of the whole batch going forward or backward (a GAN's `discriminator(generator(z))`).
+
 A replica without rows in a call computes on one row of the batch instead (TensorFlow's kernels
 for an empty batch may return uninitialised memory: `tests/test_empty_rows.py`). That row is
 left out of the joined output, and its gradient coming back is 0: it changes no weight's sum.
@@ -26,6 +30,7 @@ Example:
 ```python
 split = Split.of(x, index, count, gather)   # in replica context
 y = split.joined(layer(split.rows(x)))      # y: the whole batch's output, as on one device
+z = split.rows_computed(layer(split.rows(x)))  # = split.rows(y): no join needed
 ```
 """
 
@@ -87,6 +92,26 @@ class Split:
 
         return join(tensor, total)
 
+    def rows_computed(self, computed):
+        """This replica's rows of `joined(computed)`, which are `computed` itself: a call whose
+        input is another call's joined output takes the rows the replica computed, without
+        joining them and taking them apart again (forward and backward). Its gradient is the
+        gradient coming back for its own rows (a row of zeros where the replica computed on a row
+        not its own)."""
+        if not _differentiable(computed):
+            return computed
+
+        @tf.custom_gradient
+        def own(tensor):
+            def gradient(upstream):
+                upstream = tf.convert_to_tensor(upstream)
+                padding = [[0, self.computed - self.count]] + [[0, 0]] * (upstream.shape.rank - 1)
+                return tf.pad(upstream[: self.count], padding)
+
+            return tf.identity(tensor), gradient
+
+        return own(computed)
+
     def _rows(self, tensor, dummy: bool):
         """This replica's rows of the whole batch's `tensor`. Where it has no rows: one row of
         the batch (`dummy`: the forward input), or a row of zeros (a gradient coming back)."""
@@ -95,7 +120,9 @@ class Split:
         def rows(tensor):
             tensor = tf.convert_to_tensor(tensor)
             if dummy:
-                taken = tensor[self.first : self.first + self.computed]
+                # A copy, not a view of the whole batch's buffer: the layers keep their inputs
+                # for the backward pass, and the batch's other rows need not stay alive with it.
+                taken = tf.gather(tensor, tf.range(self.first, self.first + self.computed))
             else:
                 own = tensor[self.start : self.start + self.count]
                 padding = [[0, self.computed - self.count]] + [[0, 0]] * (tensor.shape.rank - 1)

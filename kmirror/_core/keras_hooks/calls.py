@@ -52,6 +52,8 @@ class OwnStep:
     #: The replica's rows of every call's inputs: an embedding looked up with indices computed
     #: from them is looked up per row (`_core.sparse_gradients`).
     split_inputs: list = field(default_factory=list)
+    #: Each output a call joined (by `id`): the output, what the replica computed, and its split.
+    joins: dict = field(default_factory=dict)
 
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
@@ -93,7 +95,11 @@ def _call(layer, *args, **kwargs):
     def rows(leaf):
         if not _batched(leaf):
             return leaf
-        taken = splits[id(leaf)].rows(_tensor(leaf))
+        joined, computed, by = own.joins.get(id(leaf), (None, None, None))
+        if joined is leaf:  # another call's joined output: the rows this replica computed
+            taken = by.rows_computed(computed)
+        else:
+            taken = splits[id(leaf)].rows(_tensor(leaf))
         own.split_inputs.append(taken)
         return taken
 
@@ -140,6 +146,7 @@ def _joined(output, split: Split, own: OwnStep):
     joined = split.joined(output)
     if mask is not None:
         backend.set_keras_mask(joined, split.joined(mask))
+    own.joins[id(joined)] = (joined, output, split)
     return joined
 
 
