@@ -26,7 +26,7 @@ join, so theirs always overlap.)
 Writes `"own_step": {"dcgan": {"time": r, "peak_memory": r, ...}, "simclr": {...}}` to
 benchmarks/results.json.
 
-    python benchmarks/bench_own_step.py [--devices 2] [--rounds 3] [--batches 4] [--memory-runs 1]
+    python benchmarks/bench_own_step.py [--devices 2] [--rounds 3] [--batches 4] [--memory-runs 5]
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--memory-runs", type=int, default=1)
+    parser.add_argument("--memory-runs", type=int, default=5)
     parser.add_argument("--child", choices=SIDES)
     parser.add_argument("--program", choices=PROGRAMS, default="dcgan")
     args = parser.parse_args()

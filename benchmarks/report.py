@@ -243,7 +243,8 @@ def own_step(results: dict) -> str:
         f"### Own train_step ({r['replicas']} replicas, batch {r['batch']})\n\n"
         + "kmirror runs the step on the whole batch (one device's values), native "
         + "MirroredStrategy on each replica's rows; peak tensor memory of TensorFlow's "
-        + "allocator.\n\n"
+        + "allocator in a step (median over the steps), with the replicas' passes running at "
+        + "once as on devices (benchmarks/bench_own_step.py).\n\n"
         + table(header, rows)
         + "\n"
     )
