@@ -463,6 +463,12 @@ FEATURES = {
             ("own_step_uneven_metric", global_steps.uneven_metric, global_steps.unlabelled, None),
             ("own_step_regularised", global_steps.regularised, global_steps.labelled, None),
             (
+                "own_step_two_domains",
+                global_steps.two_domains_model,
+                global_steps.two_domains,
+                None,
+            ),
+            (
                 "own_step_gradient_penalty",
                 global_steps.gradient_penalty,
                 global_steps.unlabelled,

@@ -7,7 +7,8 @@ from the global batch (tests/features.py lists them in the exactness matrix).
 - `per_row_loss`: the gradient of a vector of per-row losses (the gradient of their sum);
 - `info_nce`: a contrastive loss over two noisy views: every row's softmax over every row;
 - `global_draw`: noise drawn for the global batch's size, fixed when the model is made;
-- `uneven_metric`: a metric updated with arguments of different row counts (real and generated).
+- `uneven_metric`: a metric updated with arguments of different row counts (real and generated);
+- `two_domains_model`: a CycleGAN's persistent tape and list of optimizers, BYOL's moving average.
 """
 
 import keras
@@ -283,6 +284,64 @@ def gradient_penalty():
         model = GradientPenalty()
         model.compile()
     return model
+
+
+class TwoDomains(keras.Model):
+    """keras.io's CycleGAN pattern: two generators and two discriminators trained from one
+    persistent tape, their four optimizers held in a list; and BYOL's: a moving average of a
+    generator's weights that the step writes itself (a target network)."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_y, self.to_x = (_mlp(WIDTH, WIDTH) for _ in range(2))
+        self.judge_x, self.judge_y = (_mlp(WIDTH, 1) for _ in range(2))
+        self.average = _mlp(WIDTH, WIDTH)
+
+    def compile(self):
+        super().compile()
+        self.optimizers = [keras.optimizers.Adam(0.01) for _ in range(3)]
+        self.optimizers.append(keras.optimizers.SGD(0.05, momentum=0.5))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            fake_y, fake_x = self.to_y(x), self.to_x(y)
+            cycled_x, cycled_y = self.to_x(fake_y), self.to_y(fake_x)
+            same_x = self.to_x(x)
+            y_loss = _mse(self.judge_y(fake_y), 1.0) + 10 * _mse(x, cycled_x)
+            x_loss = _mse(self.judge_x(fake_x), 1.0) + 10 * _mse(y, cycled_y) + _mse(x, same_x)
+            judge_x = _mse(self.judge_x(x), 1.0) + _mse(self.judge_x(fake_x), 0.0)
+            judge_y = _mse(self.judge_y(y), 1.0) + _mse(self.judge_y(fake_y), 0.0)
+        models = (self.to_y, self.to_x, self.judge_x, self.judge_y)
+        for loss, model, optimizer in zip(
+            (y_loss, x_loss, judge_x, judge_y), models, self.optimizers, strict=True
+        ):
+            variables = model.trainable_weights
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        for average, weight in zip(self.average.weights, self.to_y.weights, strict=True):
+            average.assign(0.9 * average + 0.1 * weight)
+        return {"y_loss": y_loss, "x_loss": x_loss, "judges": judge_x + judge_y}
+
+
+def _mlp(inputs: int, outputs: int) -> keras.Model:
+    return keras.Sequential([keras.Input((inputs,)), L.Dense(8, "tanh"), L.Dense(outputs)])
+
+
+def _mse(a, b):
+    return ops.mean(ops.square(a - b))
+
+
+def two_domains_model():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = TwoDomains()
+        model.compile()
+    return model
+
+
+def two_domains():
+    x, _, _ = unlabelled()
+    return x, np.tanh(x[:, ::-1] + 0.5), None
 
 
 class SelfSupervised(keras.Model):

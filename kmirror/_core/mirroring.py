@@ -122,11 +122,27 @@ def is_wrapped(model: keras.Model) -> bool:
 
 
 def optimizers(model: keras.Model) -> list:
-    """The model's optimizers: its compiled one and those it holds as attributes (a GAN's)."""
+    """The model's optimizers: its compiled one and those it holds as attributes (a GAN's), or in
+    lists, tuples and dicts it holds (a CycleGAN's `self.optimizers = [...]`)."""
     found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    seen = set()
+
+    def visit(value) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, keras.optimizers.Optimizer):
+            if value not in found:
+                found.append(value)
+        elif isinstance(value, list | tuple | set):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
     for value in vars(model).values():
-        if isinstance(value, keras.optimizers.Optimizer) and value not in found:
-            found.append(value)
+        visit(value)
     return found
 
 
