@@ -469,6 +469,12 @@ FEATURES = {
                 None,
             ),
             (
+                "own_step_prototypes",
+                global_steps.prototypes_model,
+                global_steps.three_classes,
+                None,
+            ),
+            (
                 "own_step_gradient_penalty",
                 global_steps.gradient_penalty,
                 global_steps.unlabelled,

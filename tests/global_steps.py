@@ -8,7 +8,8 @@ from the global batch (tests/features.py lists them in the exactness matrix).
 - `info_nce`: a contrastive loss over two noisy views: every row's softmax over every row;
 - `global_draw`: noise drawn for the global batch's size, fixed when the model is made;
 - `uneven_metric`: a metric updated with arguments of different row counts (real and generated);
-- `two_domains_model`: a CycleGAN's persistent tape and list of optimizers, BYOL's moving average.
+- `two_domains_model`: a CycleGAN's persistent tape and list of optimizers, BYOL's moving average;
+- `prototypes_model`: a layer called with inputs that are not rows (prototypes, a broadcast row).
 """
 
 import keras
@@ -342,6 +343,49 @@ def two_domains_model():
 def two_domains():
     x, _, _ = unlabelled()
     return x, np.tanh(x[:, ::-1] + 0.5), None
+
+
+class Distances(L.Layer):
+    """Each row's negative squared distance to each prototype, shifted by one row for all."""
+
+    def call(self, rows, prototypes, shift):
+        rows = rows + shift
+        return -ops.sum(ops.square(ops.expand_dims(rows, 1) - ops.expand_dims(prototypes, 0)), -1)
+
+
+class Prototypes(keras.Model):
+    """A layer called with inputs that are not rows of the batch: class prototypes (3 rows, made
+    from a weight by the encoder) and one row added to every row (a weight of shape (1, 5))."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.Sequential([keras.Input((WIDTH,)), L.Dense(5, "tanh")])
+        self.centres = self.add_weight(shape=(3, WIDTH), initializer="random_normal")
+        self.shift = self.add_weight(shape=(1, 5), initializer="random_normal")
+        self.distances = Distances()
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            prototypes = self.encoder(self.centres)
+            logits = self.distances(self.encoder(x), prototypes, 2.0 * self.shift)
+            loss = ops.mean(ops.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        variables = self.trainable_weights
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"loss": loss}
+
+
+def prototypes_model():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = Prototypes()
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
+def three_classes():
+    x, _, _ = unlabelled()
+    return x, np.argmax(x[:, :3], axis=1), None
 
 
 class SelfSupervised(keras.Model):

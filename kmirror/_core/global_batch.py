@@ -5,8 +5,10 @@ computes outside its models' layers (losses, logs, metric arguments, draws) is o
 A layer call made by the step runs on the replica's rows of its inputs (`Split.rows`) and gives
 the output of the whole batch (`Split.joined`):
 
-- forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of each input, by that input's
-  own row count `B`; the replicas' outputs are joined in replica order (the row order);
+- forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of the call's first input, of
+  `B` rows, and the same rows of each input of as many rows; an input of another row count is
+  not rows of the batch (a row broadcast to every row, a set of class prototypes) and is taken
+  whole (`rows_or_whole`); the replicas' outputs are joined in replica order (the row order);
 - backward: a joined output's gradient is this replica's rows of the gradient coming back, times
   `n`; an input's gradient is every replica's rows of it, joined, divided by `n`. Each is the
   other's gradient, so a gradient of a gradient (a gradient penalty) is split and joined the same
@@ -28,8 +30,9 @@ left out of the joined output, and its gradient coming back is 0: it changes no 
 Example:
 
 ```python
-split = Split.of(x, index, count, gather)   # in replica context
+split = Split.of(x, index, count, gather, all_sum)   # in replica context
 y = split.joined(layer(split.rows(x)))      # y: the whole batch's output, as on one device
+y = split.joined(layer(split.rows(x), split.rows_or_whole(prototypes)))
 z = split.rows_computed(layer(split.rows(x)))  # = split.rows(y): no join needed
 ```
 """
@@ -55,11 +58,12 @@ class Split:
     first: tf.Tensor
     computed: tf.Tensor
     gather: Callable[[tf.Tensor], tf.Tensor]  # every replica's rows joined, in replica order
+    all_sum: Callable[[tf.Tensor], tf.Tensor]  # the sum over every replica
     #: The replicas: a weight's gradient from a call is this many times its rows' part.
     replicas: int
 
     @classmethod
-    def of(cls, tensor, index, replicas: int, gather: Callable) -> Split:
+    def of(cls, tensor, index, replicas: int, gather: Callable, all_sum: Callable) -> Split:
         """Replica `index` of `replicas`' place in the rows of `tensor`."""
         total = tf.shape(tensor)[0]
         index = tf.cast(index, total.dtype)
@@ -67,7 +71,7 @@ class Split:
         count = stop - start
         computed = tf.maximum(count, tf.minimum(total, 1))
         first = tf.minimum(start, tf.maximum(total - computed, 0))
-        return cls(start, count, total, first, computed, gather, replicas)
+        return cls(start, count, total, first, computed, gather, all_sum, replicas)
 
     def rows(self, tensor):
         """The rows of `tensor` this replica computes on."""
@@ -91,6 +95,36 @@ class Split:
             )
 
         return join(tensor, total)
+
+    def rows_or_whole(self, tensor):
+        """A call's other input: this replica's rows of it where it has the call's rows (`rows`),
+        else the whole of it, which is not rows of the batch (a row broadcast to every row, a set
+        of class prototypes) and which each replica's rows use whole, as one device's do. Going
+        backward, the whole input's gradient is the sum of every replica's (divided by `n`, as an
+        input's gradient is, see `_rows`)."""
+        tensor = tf.convert_to_tensor(tensor)
+        total = tf.shape(tensor)[0]
+        alike = tf.equal(total, self.total)
+        every = tf.range(total)
+        taken = tf.cond(
+            alike, lambda: tf.range(self.first, self.first + self.computed), lambda: every
+        )
+        if not _differentiable(tensor):
+            return tf.gather(tensor, taken)
+        # The rows whose gradient is this replica's to give: its own, or every one of the whole.
+        given = tf.cond(alike, lambda: tf.range(self.start, self.start + self.count), lambda: every)
+
+        @tf.custom_gradient
+        def rows(tensor):
+            def gradient(upstream):
+                upstream = tf.convert_to_tensor(upstream)[: tf.size(given)]
+                shape = tf.shape(tensor, out_type=given.dtype)
+                placed = tf.scatter_nd(tf.expand_dims(given, 1), upstream, shape)
+                return self._times(self.all_sum(placed), -1)
+
+            return tf.gather(tensor, taken), gradient
+
+        return rows(tensor)
 
     def rows_computed(self, computed):
         """This replica's rows of `joined(computed)`, which are `computed` itself: a call whose

@@ -2,7 +2,8 @@
 
 `splitting(own)` makes each Keras layer call that the step itself makes (a call from no other
 layer's call: `self.generator(noise)`, `self(x, training=True)`) run on this replica's rows of
-its inputs, and return the whole batch's output (`_core.global_batch`). Inside such a call,
+its inputs (the rows of its first input; an input of another row count is taken whole), and
+return the whole batch's output (`_core.global_batch`). Inside such a call,
 Keras decides BatchNormalization's statistics and random draws over the call's whole batch, as in
 kmirror's own step (`replica`), and the state the call writes is recorded for its combination
 over the replicas (`OwnStep.recording`). Outside the calls the step computes as one device on the
@@ -89,17 +90,20 @@ def _call(layer, *args, **kwargs):
     batched = [t for t in leaves if _batched(t)]
     if not batched:
         return _original["__call__"](layer, *args, **kwargs)
-    splits = {id(t): Split.of(_tensor(t), own.index, own.replicas, own.all_gather) for t in batched}
-    split = splits[id(batched[0])]  # the call's rows: its first input's
+    reference = _tensor(batched[0])  # the call's rows: its first input's
+    split = Split.of(reference, own.index, own.replicas, own.all_gather, own.all_sum)
 
     def rows(leaf):
         if not _batched(leaf):
             return leaf
+        alike = leaf is batched[0] or _as_many_rows(_tensor(leaf), reference)
         joined, computed, by = own.joins.get(id(leaf), (None, None, None))
-        if joined is leaf:  # another call's joined output: the rows this replica computed
+        if joined is leaf and alike:  # another call's joined output: the rows computed here
             taken = by.rows_computed(computed)
-        else:
-            taken = splits[id(leaf)].rows(_tensor(leaf))
+        elif alike:
+            taken = split.rows(_tensor(leaf))
+        else:  # as many rows as the call's, or another count (known when the step runs)
+            taken = split.rows_or_whole(_tensor(leaf))
         own.split_inputs.append(taken)
         return taken
 
@@ -127,6 +131,12 @@ def _batched(leaf) -> bool:
         return leaf.ndim > 0
     variable = isinstance(leaf, tf.Variable | keras.Variable)
     return tf.is_tensor(leaf) and not variable and leaf.shape.rank != 0
+
+
+def _as_many_rows(tensor, reference) -> bool:
+    """Whether `tensor` has as many rows as `reference`, known from their static shapes."""
+    rows = tensor.shape[0]
+    return rows is not None and rows == reference.shape[0]
 
 
 def _tensor(leaf):
