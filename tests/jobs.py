@@ -1,8 +1,10 @@
 """Running a job of several processes for a test: its command under a timeout, its success
 checked (its output shown when it failed), and what each rank wrote read back."""
 
+import contextlib
 import os
 import pickle
+import signal
 import subprocess
 from pathlib import Path
 
@@ -10,15 +12,30 @@ ROOT = Path(__file__).parent.parent
 
 
 def run(command: list[str], timeout: float, env=None) -> subprocess.CompletedProcess:
-    """Runs `command` from the repository's folder with `env` added, within `timeout` seconds."""
-    return subprocess.run(
+    """Runs `command` from the repository's folder with `env` added, within `timeout` seconds.
+
+    The job runs in a session of its own: a signal its processes send to their process group
+    (Ray's, a launcher's) never reaches the test run, and at the timeout every process the job
+    started is killed, not its first one alone."""
+    job = subprocess.Popen(
         command,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=ROOT,
         env={**os.environ, **(env or {})},
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        raise
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # what the job left running
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
 def rank_results(folder: Path, ranks: int, prefix: str = "rank") -> list:
