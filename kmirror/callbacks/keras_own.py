@@ -95,7 +95,9 @@ class _StandIn(BackupAndRestore):
 
     def _show(self, **fields) -> None:
         keras_own = self._keras_own()
-        for name, value in fields.items() if keras_own is not None else ():
+        if keras_own is None:
+            return
+        for name, value in fields.items():
             setattr(keras_own, name, value)
 
     def on_train_batch_end(self, batch, logs=None):
