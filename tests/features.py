@@ -9,6 +9,7 @@ import functools
 from collections.abc import Callable
 
 import global_steps
+import gradient_steps
 import keras
 import numpy as np
 import tensorflow as tf
@@ -53,6 +54,8 @@ class Feature:
     replicas: tuple[int, ...] = (2, 3)
     #: The validation data fit is given, if any.
     validation: Callable[[], tuple] | None = None
+    #: Trained in two phases: this is done to the model between two fits (compiled again).
+    between_fits: Callable[[keras.Model], None] | None = None
 
 
 def dense(
@@ -507,8 +510,38 @@ FEATURES = {
                 global_steps.zipped,
                 global_steps.validation,
             ),
+            (
+                "own_step_sharpness_aware",
+                gradient_steps.sharpness_aware,
+                global_steps.labelled,
+                None,
+            ),
+            (
+                "own_step_clipped_by_hand",
+                gradient_steps.clipped_by_hand,
+                gradient_steps.sequences,
+                None,
+            ),
+            ("compiled_centralized", gradient_steps.centralized, global_steps.labelled, None),
         ]
     },
+    **{
+        f"own_step_accumulated_{form}_{kind}": Feature(
+            functools.partial(gradient_steps.accumulated_by_hand, form == "cond", kind == "raw"),
+            global_steps.labelled,
+            tolerance=1e-10,
+            floatx="float64",
+        )
+        for form in ("cond", "flag")
+        for kind in ("raw", "keras")
+    },
+    "own_step_two_optimizers": Feature(
+        gradient_steps.two_optimizers,
+        global_steps.unlabelled,
+        tolerance=1e-10,
+        floatx="float64",
+        between_fits=gradient_steps.recompile,
+    ),
 }
 
 
@@ -554,7 +587,12 @@ def assert_same_logs(feature: Feature, expected: dict, actual: dict) -> None:
 
 def fit(model: keras.Model, feature: Feature, epochs: int = EPOCHS) -> dict:
     with precision(feature.floatx):
-        return _fit(model, feature, epochs)
+        history = _fit(model, feature, epochs)
+        if feature.between_fits is None:
+            return history
+        feature.between_fits(model)
+        more = _fit(model, feature, epochs)
+    return {key: history[key] + more[key] for key in history}
 
 
 def _fit(model: keras.Model, feature: Feature, epochs: int) -> dict:

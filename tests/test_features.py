@@ -94,9 +94,19 @@ class CountingReducer(kmirror.reducers.HierarchicalCopy):
         return super().reduce_gradients(gradients)
 
 
-@pytest.mark.parametrize("name, reductions", [("accumulation", 6), ("adam", 12)])
+@pytest.mark.parametrize(
+    "name, reductions",
+    [
+        ("accumulation", 6),
+        ("adam", 12),
+        ("own_step_batch_norm", 12),
+        ("own_step_accumulated_cond_raw", 12),
+        ("own_step_sharpness_aware", 24),
+    ],
+)
 def test_gradients_are_reduced_once_per_update(name, reductions):
-    """3 epochs of 4 micro-steps: 12 reductions without accumulation, 6 with 2 steps."""
+    """3 epochs of 4 micro-steps: 12 reductions without accumulation, 6 with 2 steps. A model's
+    own step: one per gradient it takes, applied or accumulated (sharpness-aware: two)."""
     feature = FEATURES[name]
     reducer = CountingReducer()
     model = kmirror.wrap(feature.build(), reducer=reducer, devices=cpus(2))

@@ -244,3 +244,44 @@ def test_the_users_own_attributes_and_methods_answer_on_the_wrapped_model():
     assert wrapped.history is history and wrapped.optimizer is model.optimizer
     with pytest.raises(AttributeError, match="'MirroredModel' object has no attribute 'absent'"):
         wrapped.absent  # noqa: B018
+
+
+def test_raw_tf_variables_are_mirrored_while_wrapped_and_given_back_trained():
+    """A raw tf.Variable the model holds (an attribute, a list item) has a copy on every replica
+    while wrapped, each written as on one device; unwrap puts the user's objects back, trained."""
+    import gradient_steps
+    import tensorflow as tf
+    from global_steps import labelled
+    from real_models import precision
+
+    x, y, _ = labelled()
+    reference = gradient_steps.accumulated_by_hand(conditional=True, raw=True)
+    model = gradient_steps.accumulated_by_hand(conditional=True, raw=True)
+    counter, pending = model.counter, list(model.accumulators)
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(3))
+    assert model.counter is not counter and model.accumulators[0] is not pending[0]
+    assert isinstance(model.counter, tf.distribute.DistributedValues)
+    with precision("float64"):
+        for trained in (reference, wrapped):  # 4 steps (33, 33, 33, 2 rows): 1 update, 1 pending
+            trained.fit(x, y, batch_size=33, epochs=1, shuffle=False, verbose=0)
+    wrapped.unwrap()
+
+    assert model.counter is counter and model.accumulators[0] is pending[0]
+    assert not isinstance(counter, tf.distribute.DistributedValues)
+    assert float(counter.numpy()) == float(reference.counter.numpy()) == 4.0
+    for mine, theirs in zip(pending, reference.accumulators):
+        assert np.abs(theirs.numpy()).max() > 1e-3  # the last step's gradient, pending
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=0, atol=1e-12)
+    assert max_weight_difference(reference, model) < 1e-10
+
+
+def test_a_raw_tf_variable_in_a_tuple_is_refused_naming_it():
+    import tensorflow as tf
+
+    model = dense_model()
+    model.frozen = (tf.Variable(0.0, name="steps_taken"),)
+    weights = model.get_weights()
+    with pytest.raises(ValueError, match="steps_taken.*in a tuple.*keras.Variable"):
+        kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    assert model.frozen[0].numpy() == 0.0 and not kmirror._core.mirroring.is_wrapped(model)
+    np.testing.assert_equal(model.get_weights(), weights)

@@ -104,15 +104,18 @@ def test_a_custom_layer_without_config_unwraps_to_a_plain_model():
     assert isinstance(plain, keras.Sequential)
 
 
-def test_apply_gradients_inside_a_condition_is_refused_with_the_fix():
+def test_a_gradient_taken_inside_a_condition_is_refused_with_the_fix():
+    """The sum over the replicas runs where the step takes a gradient of its weights: not inside
+    a tf.cond (applying it there is exact: tests/features.py, own_step_accumulated_cond_*)."""
+
     class Conditional(keras.Sequential):
         def train_step(self, data):
             x, y = data
             with tf.GradientTape() as tape:
                 loss = self.compute_loss(y=y, y_pred=self(x, training=True))
-            grads = tape.gradient(loss, self.trainable_variables)
 
             def update():
+                grads = tape.gradient(loss, self.trainable_variables)
                 self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
                 return tf.constant(0)
 
@@ -125,7 +128,7 @@ def test_apply_gradients_inside_a_condition_is_refused_with_the_fix():
     )
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     x, y = dense_data()
-    with pytest.raises(ValueError, match="apply_gradients inside a condition.*top level"):
+    with pytest.raises(ValueError, match="gradient of its weights inside a condition.*top level"):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
 
 
@@ -209,3 +212,40 @@ def test_a_layer_returning_a_scalar_to_an_own_step_is_refused_with_the_fix():
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
     for a, b in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class OwnMetrics(keras.Sequential):
+    """A model whose own `compute_metrics` logs one more value: the mean of its predictions."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {**logs, "mean_prediction": ops.mean(y_pred)}
+
+
+def own_metrics():
+    keras.utils.set_random_seed(1)
+    model = OwnMetrics([keras.Input((8,)), keras.layers.Dense(4, "relu"), keras.layers.Dense(3)])
+    model.compile(
+        optimizer="sgd",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_models_own_compute_metrics_runs_as_on_one_device(n):
+    """Keras' step calls the model's `compute_metrics`: its override logs the whole batch's value,
+    in `fit` and `evaluate`, as on one device."""
+    x, y = dense_data()
+    reference = own_metrics()
+    expected = reference.fit(x, y, batch_size=33, epochs=2, verbose=0).history
+    model = kmirror.wrap(own_metrics(), reducer="hierarchical_copy", devices=cpus(n))
+    history = model.fit(x, y, batch_size=33, epochs=2, verbose=0).history
+    assert "mean_prediction" in history
+    assert_same_history(expected, history, rtol=1e-5)
+    evaluated = model.evaluate(x, y, batch_size=33, verbose=0, return_dict=True)
+    expected = reference.evaluate(x, y, batch_size=33, verbose=0, return_dict=True)
+    assert sorted(evaluated) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(evaluated[key], expected[key], rtol=1e-5, err_msg=key)

@@ -9,7 +9,7 @@ Example:
 
 ```python
 grads = accumulated(reducer, optimizer, grads, variables)   # cross-replica context
-reducer.run(lambda g: optimizer.apply(g, variables), args=(grads,))
+reducer.run(lambda g: optimizer.apply_gradients(zip(g, variables)), args=(grads,))
 ```
 """
 

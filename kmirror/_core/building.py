@@ -16,6 +16,7 @@ builder.build(data_batch=(x[:32], y[:32]))
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import keras
@@ -45,6 +46,7 @@ class Builder:
         self._mirror, self._own_training, self._built = mirror, own_training, built
         self._fitting = fitting  # whether the wrapped model's fit is running
         self._traced = set()  # the own steps traced to build the model
+        self._traced_with = weakref.WeakSet()  # the optimizers when train_step was traced
 
     def build(self, iterator=None, data_batch=None, step: str | None = None) -> None:
         """Builds what is not built yet, from `data_batch` or the first batch of `iterator`
@@ -57,7 +59,12 @@ class Builder:
         own_training = self._own_training()
         if own_training:
             step = step or ("train_step" if self._fitting() else "test_step")
-            if {step, "train_step"} & self._traced:
+            # Optimizers made since the training step was traced (the model compiled again)
+            # are built by tracing it again.
+            fresh = step == "train_step" and any(
+                not o.built and o not in self._traced_with for o in mirroring.optimizers(model)
+            )
+            if {step, "train_step"} & self._traced and not fresh:
                 return  # the step built what it uses; what it never uses stays unbuilt
             done = all(layer.built for layer in every_layer(model)) and optimizers_built
             if done and loss_built:
@@ -78,6 +85,8 @@ class Builder:
         if own_training:
             own_step.build_as_one_device(model, step, data_batch)
             self._traced.add(step)
+            if step == "train_step":
+                self._traced_with.update(mirroring.optimizers(model))
         elif not done:
             with self._mirror.scope():
                 keras_hooks.symbolic_build(model, _symbolic(data_batch))

@@ -12,6 +12,12 @@ trained value.
 Variables made later (a model built at its first batch, an optimizer built at its first update)
 are made in the scope (`Mirror.scope`) and so are mirrored from the start.
 
+A raw `tf.Variable` the model holds (a counter, gradient accumulators a model's own step writes)
+is no Keras variable, so it has no storage to replace: while the model is wrapped, the attribute,
+list item or dict value that holds it holds a mirrored `tf.Variable` with its value instead, and
+`unmirror` puts the user's variable back with the trained value. Every replica then writes its
+own copy, as it does a Keras variable's.
+
 Example:
 
 ```python
@@ -27,11 +33,12 @@ import contextlib
 import weakref
 
 import keras
+import tensorflow as tf
 
 from kmirror._core import keras_hooks, tf_hooks
 from kmirror.reducers.base import Reducer
 
-__all__ = ["Mirror", "is_wrapped", "optimizers", "state"]
+__all__ = ["Mirror", "is_wrapped", "optimizers", "state", "raw_variables"]
 
 _mirrored_models = weakref.WeakKeyDictionary()  # a wrapped model's user model -> its Mirror
 
@@ -42,6 +49,10 @@ class Mirror:
     def __init__(self, reducer: Reducer) -> None:
         self._reducer = reducer
         self._optimizers = weakref.WeakSet()
+        #: The user's raw tf.Variables' mirrored stand-ins (`_mirror_raw`): id -> (the user's,
+        #: its stand-in); and (holder, key, the user's) for each place a stand-in was put.
+        self._stand_ins: dict[int, tuple] = {}
+        self._raw: list[tuple] = []
         tf_hooks.read_as_numbers()  # a mirrored variable reads as a number, as on one device
 
     def scope(self) -> contextlib.AbstractContextManager:
@@ -84,7 +95,41 @@ class Mirror:
         if pending:
             for optimizer in optimizers(model):
                 keras_hooks.reindex(optimizer)
-        return len(pending)
+        return len(pending) + self._mirror_raw(model)
+
+    def _mirror_raw(self, model: keras.Model) -> int:
+        """Puts a mirrored `tf.Variable` wherever `model` holds a raw one of its own (Keras may
+        hold it in a dict of its own too): one stand-in per variable, in every place."""
+        strategy = self._reducer.strategy
+        made = 0
+        for holder, key, variable in raw_variables(model):
+            owner = tf_hooks.strategy_of(variable)
+            if owner is strategy:
+                continue
+            if owner is not None or isinstance(holder, tuple):
+                where = "in a tuple" if owner is None else "created in a tf.distribute scope"
+                raise ValueError(
+                    f"the tf.Variable {variable.name} that the model holds ({key!r}) is {where}; "
+                    "kmirror cannot give every replica a copy of it. Make it a keras.Variable "
+                    "(layer.add_weight or keras.Variable), or hold it in a list or an attribute "
+                    "of a layer, created outside any strategy scope."
+                )
+            if id(variable) not in self._stand_ins:
+                with self.scope():
+                    self._stand_ins[id(variable)] = (
+                        variable,
+                        tf.Variable(
+                            variable.read_value(),
+                            trainable=variable.trainable,
+                            name=variable.name.split(":")[0],
+                            dtype=variable.dtype,
+                            shape=variable.shape,
+                        ),
+                    )
+                made += 1
+            _put(holder, key, self._stand_ins[id(variable)][1])
+            self._raw.append((holder, key, variable))
+        return made
 
     def train(self, optimizer) -> None:
         """`optimizer` applies each replica's summed gradient on the replica, and builds its
@@ -108,6 +153,12 @@ class Mirror:
             stored = keras_hooks.storage(variable)
             if stored is not None and tf_hooks.strategy_of(stored) is strategy:
                 keras_hooks.store(variable, stored.read_value())
+        for variable, mirrored in self._stand_ins.values():
+            variable.assign(mirrored.read_value())
+        for holder, key, variable in self._raw:
+            _put(holder, key, variable)
+        self._stand_ins.clear()
+        self._raw.clear()
         for optimizer in list(self._optimizers):
             keras_hooks.release(optimizer)
             keras_hooks.reindex(optimizer)
@@ -158,3 +209,41 @@ def state(model: keras.Model) -> list:
                 seen.add(id(variable))
                 found.append(variable)
     return found
+
+
+def raw_variables(model: keras.Model) -> list[tuple]:
+    """(holder, key, variable) for each place a raw `tf.Variable` (not a Keras variable's
+    storage) is held by `model` or a layer inside it: as an attribute (`holder` the layer, `key`
+    its name), or in a list, tuple or dict they hold (`key` its index or key)."""
+    found, seen = [], set()
+
+    def visit(holder, key, value) -> None:
+        if isinstance(value, keras.Variable | keras.optimizers.Optimizer | keras.metrics.Metric):
+            return
+        if isinstance(value, tf.Variable):
+            found.append((holder, key, value))
+            return
+        if id(value) in seen:
+            return
+        if isinstance(value, keras.layers.Layer):
+            seen.add(id(value))
+            for name, item in list(vars(value).items()):
+                visit(value, name, item)
+        elif isinstance(value, list | tuple):
+            seen.add(id(value))
+            for index, item in enumerate(value):
+                visit(value, index, item)
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            for name, item in list(value.items()):
+                visit(value, name, item)
+
+    visit(None, None, model)
+    return found
+
+
+def _put(holder, key, value) -> None:
+    if isinstance(holder, keras.layers.Layer):
+        setattr(holder, key, value)
+    else:
+        holder[key] = value

@@ -256,12 +256,13 @@ class MirroredModel(keras_hooks.ModelOverrides):
     def _own_training(self) -> bool:
         """Whether the user's model's steps run whole on every replica (`_core.own_step`): its
         own `train_step` or `test_step`, or Keras' for a loss that may couple the batch's rows
-        (a loss of the user's own, a `compute_loss` of its own, Keras' Dice, Tversky, Circle)."""
+        (a loss of the user's own, a `compute_loss` of its own, Keras' Dice, Tversky, Circle) or
+        a model with its own `compute_metrics`."""
         own = getattr(self, "_own_steps", set()) & {"train_step", "test_step"}
         model = getattr(self, "_model", None)
         if own or model is None or not model.compiled:
             return bool(own)
-        return not keras_hooks.rowwise_loss(model)
+        return not keras_hooks.rowwise_step(model)
 
     @property
     def metrics(self):

@@ -6,10 +6,12 @@ models' layers are one device's values on every replica. Only the layer calls th
 compute on the replica's rows (`_core.global_batch`): each returns the whole batch's output, and
 gives each weight the gradient of its replica's rows. So:
 
-- **`apply_gradients`** of every optimizer the model holds sums the replicas' gradients
-  (`Reducer.reduce_in_replica`, the same reducer as kmirror's own step) and applies the sum on
-  each replica, as one device would: the sum is one device's gradient, whatever the step computes
-  from the layers' outputs (a loss that couples the rows, a vector of per-row losses).
+- **The gradients** the step takes of its weights (`tape.gradient`) are one device's: summed
+  over the replicas where the step asks for them (`_core.own_gradients`, through the chosen
+  reducer), whatever the step computes from the layers' outputs (a loss that couples the rows, a
+  vector of per-row losses) and whatever it then does with them (a norm, clipping, a
+  perturbation, accumulation); `apply_gradients` of every optimizer applies what it is given on
+  each replica, as one device would.
 - **Metrics** are updated on every replica with one device's arguments, and the step's logs are
   one device's values.
 - **State** the layers write while they compute on a replica's rows is combined over the
@@ -27,7 +29,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror._core import draws, keras_hooks, mirroring, sparse_gradients
+from kmirror._core import draws, keras_hooks, mirroring, own_gradients
 from kmirror._core.feed import placement
 from kmirror._core.layer_state import LayerState, after
 from kmirror.reducers.base import Reducer
@@ -50,22 +52,21 @@ def overridden(model: keras.Model) -> set[str]:
 
 def _hooked(model: keras.Model) -> contextlib.AbstractContextManager:
     """While the model's own step runs on the replicas: its optimizers' `apply` is replaced, on
-    the objects, by one that sums the gradients inside a replica (and does what the class does
-    elsewhere); the objects are as they were afterwards."""
-    replaced = [(o, "apply", _reducing_apply) for o in mirroring.optimizers(model)]
+    the objects, by one that builds an optimizer not built yet as one device would (and does what
+    the class does); the objects are as they were afterwards."""
+    replaced = [(o, "apply", _building_apply) for o in mirroring.optimizers(model)]
     return keras_hooks.methods_replaced(replaced)
 
 
-def _reducing_apply(optimizer, grads, trainable_variables=None):
-    """`optimizer.apply` that, inside a replica's own step, applies the sum over the replicas of
-    their parts of the gradient."""
+def _building_apply(optimizer, grads, trainable_variables=None):
+    """`optimizer.apply` of the class (the user's override too): the gradients it is given are
+    one device's already (`_core.own_gradients`)."""
     apply = type(optimizer).apply
     own = keras_hooks.current_step()
-    if own is None:
-        return apply(optimizer, grads, trainable_variables)
-    if trainable_variables is not None:  # read once: it may be an iterator
-        trainable_variables = list(trainable_variables)
-    if not optimizer.built:
+    if own is not None and not optimizer.built:
+        if trainable_variables is not None:  # read once: it may be an iterator
+            trainable_variables = list(trainable_variables)
+
         # Keras builds an optimizer on its first update. Its variables are made outside the
         # step's graph, mirrored like the model's: once, in cross-replica context.
         def build(_):
@@ -73,34 +74,7 @@ def _reducing_apply(optimizer, grads, trainable_variables=None):
                 optimizer.build(trainable_variables)
 
         tf.distribute.get_replica_context().merge_call(build)
-    grads = list(grads)
-    shared = sparse_gradients.shared_lookups(grads, own.split_inputs, trainable_variables)
-    sent, lookups = sparse_gradients.apart(grads, shared)
-    try:
-        summed = sparse_gradients.together(own.reduce_gradients(sent), lookups)
-    except RuntimeError as error:
-        if "merge_call" not in str(error):
-            raise
-        raise ValueError(
-            "kmirror: the model's own train_step calls apply_gradients inside a condition or loop "
-            "of the step (tf.cond, tf.while_loop, or Python if/for on tensors under autograph) "
-            "or inside a nested tf.function; the sum of the gradients over the replicas cannot "
-            "run there. Call apply_gradients at the top level of train_step; to skip an update "
-            "conditionally, multiply the gradients by 0 or 1 instead."
-        ) from None
-    return apply(optimizer, [_divided(g, own.replicas) for g in summed], trainable_variables)
-
-
-def _divided(gradient, replicas: int):
-    """A summed gradient divided by the replica count: each replica's layer calls gave its
-    weights `replicas` times their rows' part (`_core.global_batch`), and what the step computed
-    from the weights outside the calls, every replica gave whole."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values / tf.cast(replicas, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    return gradient / tf.cast(replicas, gradient.dtype)
+    return apply(optimizer, grads, trainable_variables)
 
 
 def build_as_one_device(model: keras.Model, step: str, data) -> None:
@@ -147,6 +121,7 @@ def _run(
             result = method(batch)
         return after(state.combine(before), result)
 
+    own_gradients.install()
     with _hooked(model), draws.watched():
         return reducer.run(local, args=(shards,))
 

@@ -141,8 +141,10 @@ def train(
     grads = _reduce(reducer, optimizer, grads, variables)
 
     def apply(grads, lookups):
+        # As Keras' own train_step calls it: an optimizer's override of apply_gradients runs.
         with tf.control_dependencies([finite]):
-            optimizer.apply(sparse_gradients.together(grads, lookups), variables)
+            grads = sparse_gradients.together(grads, lookups)
+            optimizer.apply_gradients(zip(grads, variables))
 
     reducer.run(apply, args=(grads, lookups))
     return outcome._replace(loss=finite)

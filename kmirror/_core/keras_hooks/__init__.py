@@ -30,7 +30,12 @@ from kmirror import versions
 
 versions.check()  # before the internals this package touches
 
-from kmirror._core.keras_hooks.calls import OwnStep, current_step, splitting  # noqa: E402
+from kmirror._core.keras_hooks.calls import (  # noqa: E402
+    OwnStep,
+    current_step,
+    inside_layer_call,
+    splitting,
+)
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
@@ -49,7 +54,7 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     resolve_auto_jit_compile,
     resume_at_epoch,
     resumed_epoch,
-    rowwise_loss,
+    rowwise_step,
     symbolic_build,
     symbolic_evaluation,
     with_masks,
@@ -102,6 +107,7 @@ __all__ = [
     "OwnStep",
     "splitting",
     "current_step",
+    "inside_layer_call",
     "current",
     "replica",
     "install",
@@ -138,7 +144,7 @@ __all__ = [
     "metric_function",
     "keras_model_name",
     "per_row_keras_function",
-    "rowwise_loss",
+    "rowwise_step",
     "print_msg",
     "resolve_auto_jit_compile",
     "resume_at_epoch",

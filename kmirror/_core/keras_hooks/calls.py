@@ -31,7 +31,7 @@ from kmirror._core.global_batch import Split
 from kmirror._core.keras_hooks.replica import replica
 from kmirror._core.keras_hooks.rows import Rows
 
-__all__ = ["OwnStep", "splitting", "current_step"]
+__all__ = ["OwnStep", "splitting", "current_step", "inside_layer_call"]
 
 
 @dataclass
@@ -65,6 +65,11 @@ _install_lock = threading.Lock()
 def current_step() -> OwnStep | None:
     """The own step running on this thread, or None."""
     return getattr(_state, "step", None)
+
+
+def inside_layer_call() -> bool:
+    """Whether this thread runs inside a layer call of an own step (on the replica's rows)."""
+    return getattr(_state, "inside", False)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ __all__ = [
     "with_masks",
     "from_adding_metric_module",
     "per_row_keras_function",
-    "rowwise_loss",
+    "rowwise_step",
     "keras_model_name",
 ]
 
@@ -189,11 +189,16 @@ def from_adding_metric_module(kind: type) -> bool:
 _COUPLING_FUNCTIONS = frozenset({"dice", "tversky", "circle"})
 
 
-def rowwise_loss(model) -> bool:
-    """Whether each row's loss under `model`'s compiled loss depends on that row alone: the model
-    computes its loss as Keras does (no `compute_loss` of its own) with Keras' losses that give a
-    value per row, by name, class or function."""
-    if type(model).compute_loss is not keras.Model.compute_loss:
+#: The methods Keras' own train_step and test_step call on the model besides `call`.
+_STEP_PARTS = ("compute_loss", "compute_metrics")
+
+
+def rowwise_step(model) -> bool:
+    """Whether Keras' own step of `model` adds up over rows: each row's loss under its compiled
+    loss depends on that row alone, and the model computes its loss and metrics as Keras does (no
+    `compute_loss` or `compute_metrics` of its own), with Keras' losses that give a value per
+    row, by name, class or function."""
+    if any(getattr(type(model), name) is not getattr(keras.Model, name) for name in _STEP_PARTS):
         return False
     losses = tf.nest.flatten(compile_arguments(model).get("loss"))
     return all(_rowwise(loss) for loss in losses if loss is not None)
