@@ -13,9 +13,10 @@ shared filesystem. Every process seeds alike after building its model (the proce
 one device draws). With KMIRROR_TEST_KILL=<rank> that rank kills itself after batch 2 of epoch 4
 (once: OUT/killed marks it), first marking its host down in KMIRROR_TEST_DOWN (a folder the test's
 ssh reads); with KMIRROR_TEST_TERM=<rank> that rank sends itself SIGTERM after batch 2 of epoch 3
-(once: OUT/termed). With KMIRROR_TEST_KERAS_BACKUP=1 the callback is Keras' own
+(once: OUT/termed; KMIRROR_PREEMPTION_CHECK_SECONDS past the end of training leaves the signal
+pending at the last step). With KMIRROR_TEST_KERAS_BACKUP=1 the callback is Keras' own
 BackupAndRestore, with the same arguments. Each process prints its rank, the job's size and its
-host. Results go to OUT/backup-rank<r>.pkl.
+host. Results go to OUT/backup-rank<r>.pkl, written after `fit` (with the batches it trained).
 """
 
 import functools
@@ -60,6 +61,15 @@ def fit(model, epochs, callbacks, shuffle=False, rows=False, **kwargs):
         callbacks=callbacks,
         **kwargs,
     ).history
+
+
+class Batches(keras.callbacks.Callback):
+    """Counts the batches `fit` trains."""
+
+    count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
 
 
 class Fault(keras.callbacks.Callback):
@@ -125,14 +135,20 @@ elif mode == "backup":
         keras.callbacks.BackupAndRestore if keras_own else kmirror.callbacks.BackupAndRestore
     )
     backup = backup_class(out / f"backup{rank}", save_freq=2)
+    batches = Batches()
     history = fit(
-        model, 5, [backup, *faults], shuffle=True, rows=bool(os.environ.get("KMIRROR_TEST_ROWS"))
+        model,
+        5,
+        [backup, batches, *faults],
+        shuffle=True,
+        rows=bool(os.environ.get("KMIRROR_TEST_ROWS")),
     )
     results = {
         "history": history,
         "weights": model.get_weights(),
         "optimizer": [v.numpy() for v in model.optimizer.variables],
         "processes": size,
+        "batches": batches.count,
     }
 
 with open(out / f"{mode}-rank{rank}.pkl", "wb") as f:

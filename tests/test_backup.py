@@ -247,9 +247,14 @@ def test_sigterm_backs_up_before_the_next_step_exits_and_the_relaunch_resumes_th
     assert_same_state(whole, state(resumed))
 
 
-def test_sigterm_after_the_last_step_goes_to_the_handler_it_had(tmp_path):
-    """A signal noted during the last epoch's validation stops nothing early: when `fit` returns,
-    it reaches the handler the script had installed."""
+def test_sigterm_in_the_last_validation_keeps_the_end_and_the_relaunch_trains_nothing(
+    tmp_path,
+):
+    """A signal noted during the last epoch's validation (after the last check) is found when
+    training ends: the backup of the end is kept, not removed, and `fit` exits with
+    EXIT_PREEMPTED (the script's handler is not called, the signal is acted on). The relaunch
+    trains no batch, ends as the uninterrupted run, and removes the backup at its normal end."""
+    whole = uninterrupted("ordered")
     received = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     try:
@@ -260,12 +265,23 @@ def test_sigterm_after_the_last_step_goes_to_the_handler_it_had(tmp_path):
                 if self.model.optimizer.iterations.numpy() == EPOCHS * 4:
                     os.kill(os.getpid(), signal.SIGTERM)
 
-        model, trained, _ = train(
-            tmp_path / "backup", "ordered", [AtLastValidation()], validation_data=(xv, yv)
-        )
+        with pytest.raises(SystemExit) as stopped:
+            train(
+                tmp_path / "backup",
+                "ordered",
+                [AtLastValidation()],
+                validation_data=(xv, yv),
+                save_freq=2,
+            )
+        assert signal.getsignal(signal.SIGTERM) is not None and received == []
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert trained == EPOCHS * 4 and received == [signal.SIGTERM]
+    assert stopped.value.code == kmirror.callbacks.EXIT_PREEMPTED
+    index = json.loads((tmp_path / "backup" / "backup.json").read_text())
+    assert (index["epoch"], index["step"]) == (EPOCHS, 0), "the end of training, kept"
+    resumed, trained, _ = train(tmp_path / "backup", "ordered", save_freq=2)
+    assert trained == 0, "no batch is trained twice"
+    assert_same_state(whole, state(resumed))
     assert not (tmp_path / "backup").exists(), "a normal end: the backup is removed"
 
 

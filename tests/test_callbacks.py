@@ -324,6 +324,41 @@ def test_sigterm_to_one_process_backs_up_at_one_step_and_the_job_resumes_on_thre
     assert_resumed_as_one_device(ranks, rows=False, epochs=3)
 
 
+@pytest.mark.parametrize(
+    "reducer, signalled", [("horovod", 0), ("horovod", 1), ("ring", 0), ("ring", 1)]
+)
+def test_sigterm_pending_at_the_last_step_keeps_the_end_and_the_relaunch_trains_nothing(
+    reducer, signalled, tmp_path
+):
+    """The chief or the other process gets SIGTERM inside epoch 3 of 5, and the check interval
+    lies past the end of training: the signal is still pending at the last step. Training ends
+    on both, the chief backs up the end (not removing the backup), and both exit with
+    EXIT_PREEMPTED before the script's code after `fit`. The relaunch trains no batch, writes the
+    script's results, and ends as one device (the uninterrupted job)."""
+    out = tmp_path / "out"
+    late = {"KMIRROR_PREEMPTION_CHECK_SECONDS": "1000", "KMIRROR_TEST_TERM": str(signalled)}
+    done = run_job("backup", out, reducer, env=late)
+    assert done.returncode == kmirror.callbacks.EXIT_PREEMPTED == 75, done.stdout[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"[{rank}] kmirror: SIGTERM: training ended (after epoch 5) on every process"
+            in done.stdout
+        ), done.stdout[-3000:]
+    index = json.loads((out / "backup0" / "backup.json").read_text())
+    assert (index["epoch"], index["step"]) == (5, 0) and not (out / "backup1").exists()
+    assert not (out / "backup-rank0.pkl").exists(), "no process ran the script after fit"
+
+    resumed = run_job("backup", out, reducer)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    ranks = jobs.rank_results(out, 2, "backup-rank")
+    _, weights = one_device_backup_run(rows=False)
+    for rank in ranks:
+        assert rank["batches"] == 0, "no batch is trained twice"
+        for a, b in zip(rank["weights"], weights, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+    assert not (out / "backup0").exists(), "the backup is removed after the normal end"
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     """The process is killed while writing the second checkpoint's bytes."""
     script = textwrap.dedent(

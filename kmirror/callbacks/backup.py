@@ -95,6 +95,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_backup = 0
         self._backed_up: Position | None = None
         self._written: dict = {}  # the index entry in the folder (the chief's)
+        #: Where training ended: the epoch after the last one whose end was reached.
+        self._ended_at = Position(0, 0)
+        #: Set by kmirror's preemption watch for one fit: it decides, at the end of training,
+        #: whether the backup is removed (`remove`) or kept for a relaunch (`back_up_end`).
+        self.end_decided_elsewhere = False
 
     # -- what a relaunch resumes from ----------------------------------------------------------
     def latest(self) -> Backup | None:
@@ -143,6 +148,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if agreed is None and not hasattr(model, "take_chief_state"):
             agreed = self._for_plain_model()
         self._since_backup, self._backed_up, self._first_step = 0, None, 0
+        self._ended_at = Position(0, 0)
         if agreed is None:
             return
         position, weights = agreed
@@ -156,6 +162,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._position = position
         self._first_step = position.step
         self._backed_up = position
+        self._ended_at = Position(position.epoch, 0)
 
     def _for_plain_model(self):
         """A model kmirror does not train resumes at the start of the interrupted epoch."""
@@ -185,7 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._back_up(self._position)
 
     def on_epoch_end(self, epoch, logs=None):
-        done = Position(epoch + 1, 0)
+        done = self._ended_at = Position(epoch + 1, 0)
         if self.save_freq == "epoch":
             self._back_up(done, inside_epoch=False)
         elif self._every and self._backed_up == self._position and cluster.is_chief(self.model):
@@ -194,6 +201,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._first_step = 0
 
     def on_train_end(self, logs=None):
+        if not self.end_decided_elsewhere:
+            self.remove()
+
+    def remove(self) -> None:
+        """Removes the backup, as training that ended normally does (the chief; unless
+        `delete_checkpoint=False`)."""
         if self.delete_checkpoint and cluster.is_chief(self.model) and self._index.exists():
             self._index.unlink()
             for file in self.backup_dir.glob("*.weights.h5"):
@@ -207,6 +220,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         the position."""
         self._back_up(self._position)
         return self._position
+
+    def back_up_end(self) -> Position:
+        """Backs up the end of training (the chief writes): a relaunch resumes there, with no
+        batch left to train, and goes on with the script after `fit`. Returns the position."""
+        self._back_up(self._ended_at, inside_epoch=False)
+        return self._ended_at
 
     def _back_up(self, position: Position, inside_epoch: bool = True) -> None:
         self._since_backup = 0

@@ -11,9 +11,17 @@ measures how many steps that is and every process follows its count), so they al
 same step, with the same weights. The chief writes a backup of that position, the others wait
 until it is written, and every process prints where it stopped and exits with code 75
 (`EXIT_PREEMPTED`, "temporary failure" in `sysexits.h`). No step is lost or trained twice: the
-relaunch (on any number of processes) resumes at that step. A signal that comes after the last
-step ends nothing early: when `fit` returns, the signal takes its usual course (the process ends as
-it would have without kmirror).
+relaunch (on any number of processes) resumes at that step.
+
+A signal noted after the last check (the last steps took less than the check interval, or it came
+during the last validation) is found when training ends: the processes ask each other once more,
+and then, instead of removing the backup, the chief backs up the end of training, and every
+process exits with `EXIT_PREEMPTED` as `fit` would have returned. The relaunch resumes at the end,
+trains no batch, and runs the script's code after `fit` (saving the model, say): nothing is lost
+and nothing trained twice. kmirror exits rather than run that code within the notice, because the
+scheduler kills the process some seconds after its `SIGTERM` anyway, possibly halfway through a
+file. A signal outside `fit` (during `evaluate`, `predict`, or between two `fit` calls) is left to
+the script's handler: there is no training to back up.
 
 The signal can only be caught in the main thread; a `fit` run in another thread leaves `SIGTERM`
 as it is.
@@ -76,6 +84,8 @@ class Watch(keras.callbacks.Callback):
     def __init__(self, backup: BackupAndRestore, job: Job) -> None:
         super().__init__()
         self._backup, self._job = backup, job
+        #: This watch decides, at the end of training, whether the backup is removed or kept.
+        backup.end_decided_elsewhere = True
         self._signalled = self._stopping = False
         self._seconds = check_seconds()
         self._calls_left, self._every, self._checked_at = 1, 1, None
@@ -91,6 +101,7 @@ class Watch(keras.callbacks.Callback):
         try:
             yield
         finally:
+            self._backup.end_decided_elsewhere = False
             signal.signal(signal.SIGTERM, previous)
             if self._signalled and not self._stopping:
                 self._signalled = False
@@ -104,17 +115,44 @@ class Watch(keras.callbacks.Callback):
             return
         self._stopping = True  # later signals change nothing: the process is on its way out
         position = self._backup.back_up_now()
+        self._exit(
+            f"training stopped before batch {position.step + 1} of epoch {position.epoch + 1} "
+            "on every process, backed up there",
+            "to resume there",
+        )
+
+    def on_train_end(self, logs=None):
+        self._backup.end_decided_elsewhere = False
+        if self._stopping:
+            return
+        if not self._signalled_at_end():
+            self._backup.remove()  # a normal end
+            return
+        self._stopping = True
+        position = self._backup.back_up_end()
+        self._exit(
+            f"training ended (after epoch {position.epoch}) on every process, backed up at its end",
+            "to resume there with no batch left and run the script after fit",
+        )
+
+    def _exit(self, what: str, relaunch: str) -> None:
+        """Every process waits until the chief has written its backup, says so, and exits."""
         if self._job.num_processes > 1:
-            self._job.gather_counts(0)  # every process waits until the chief has written
+            self._job.gather_counts(0)
         where = f"in {self._backup.backup_dir}" if self._job.is_chief else "by the chief"
         print(
-            f"kmirror: SIGTERM: training stopped before batch {position.step + 1} of epoch "
-            f"{position.epoch + 1} on every process, backed up there {where}; exiting with code "
-            f"{EXIT_PREEMPTED}. Run the job again to resume there.",
+            f"kmirror: SIGTERM: {what} {where}; exiting with code {EXIT_PREEMPTED}. Run the job "
+            f"again {relaunch}.",
             file=sys.stderr,
             flush=True,
         )
         raise SystemExit(EXIT_PREEMPTED)
+
+    def _signalled_at_end(self) -> bool:
+        """Whether a process of the job was signalled during `fit`: asked of every process."""
+        if self._job.num_processes == 1:
+            return self._signalled
+        return any(self._job.gather_counts(int(self._signalled)))
 
     def _signalled_anywhere(self) -> bool:
         """Whether a process of the job was signalled, asked every `_every` calls: the chief
