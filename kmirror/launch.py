@@ -13,7 +13,7 @@ exit code; with `--max-restarts K` it then starts the whole job again, up to K t
 the hosts that cannot be reached if `--min-np` allows fewer processes. With `--hosts` a Horovod
 job is handed to `horovodrun -H`, and a ring job starts its workers on their hosts
 (docs/cluster.md). A `SIGTERM` to the launcher is passed on to every process
-(`kmirror.callbacks.preemption`), and the job is not started again. `run(fn, n=2)` does the
+(`_core.callbacks.preemption`), and the job is not started again. `run(fn, n=2)` does the
 same for a Python function and returns each rank's result. Every launch can be bounded by a
 timeout, after which all processes are killed.
 

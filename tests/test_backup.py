@@ -316,7 +316,7 @@ def test_processes_check_for_a_signal_as_often_as_the_chief_counts(monkeypatch, 
     """Steps of 10 ms and KMIRROR_PREEMPTION_CHECK_SECONDS=0.5: after the first two checks the
     chief asks every 50 steps, and sends that count (2 * 49 + its signal bit); a process follows
     the chief's count, and learns of a signal at the next check."""
-    from kmirror.callbacks import preemption
+    from kmirror._core.callbacks import preemption
 
     clock = [0.0]
     monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])

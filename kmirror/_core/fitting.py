@@ -26,9 +26,9 @@ import keras
 import tensorflow as tf
 
 from kmirror import errors
+from kmirror._core.callbacks import keras_own, preemption
 from kmirror._core.feed import inputs as inputs_lib
 from kmirror._core.feed import resume as resume_lib
-from kmirror.callbacks import keras_own, preemption
 from kmirror.reducers.base import Reducer
 
 __all__ = ["Fit"]
@@ -92,7 +92,7 @@ class Fit:
     @contextlib.contextmanager
     def running(self):
         """The context Keras' loop runs in: Keras' own file-writing callbacks write once in the
-        job (`kmirror.callbacks.keras_own`); a non-finite loss becomes `NonFiniteLoss`."""
+        job (`_core.callbacks.keras_own`); a non-finite loss becomes `NonFiniteLoss`."""
         callbacks = self.arguments["callbacks"]
         try:
             catching = self._preemption.catching() if self._preemption else contextlib.nullcontext()

@@ -17,8 +17,8 @@ work to the module whose job it is:
 - every process starting from the chief's state: `_core.chief_state`;
 - the variables mirrored, and single-device again at `unwrap()`: `_core.mirroring`.
 
-This module is longer than kmirror's others for one reason: the overrides Keras calls, and the
-surface that answers as the user's model, belong to one class.
+This module is longer than kmirror's others for one reason: the overrides Keras calls belong to
+one class. The names it answers as the user's model are `_core.answering`'s.
 """
 
 from __future__ import annotations
@@ -37,17 +37,18 @@ from kmirror._core import (
     own_step,
     step,
 )
+from kmirror._core.answering import AnswersAsModel
+from kmirror._core.callbacks import keras_own
 from kmirror._core.chief_state import ChiefState
 from kmirror._core.feed import inputs as inputs_lib
 from kmirror._core.feed import placement
 from kmirror._core.feed import rows as rows_lib
-from kmirror.callbacks import keras_own
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel"]
 
 
-class MirroredModel(keras_hooks.ModelOverrides):
+class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
     """The user's Keras model, its weights mirrored on every replica, its steps data-parallel.
 
     Create it with `kmirror.wrap(model, reducer=...)`. Each global batch is split across the
@@ -156,65 +157,6 @@ class MirroredModel(keras_hooks.ModelOverrides):
     def replica_jit_compile(self) -> bool:
         """Whether each replica's forward and backward pass is compiled with XLA."""
         return self._replica_jit_compile
-
-    # -- the user's model's surface -------------------------------------------------------------
-    def __getattr__(self, name):
-        # Called for names this model has not: the user's model's own (its sub-models, methods,
-        # properties); kmirror's names and Keras' are this model's.
-        if self._users_own(name):
-            return getattr(vars(self)["_model"], name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-    def __setattr__(self, name, value):
-        if self._users_own(name) and name not in vars(self):
-            setattr(vars(self)["_model"], name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def _users_own(self, name: str) -> bool:
-        """Whether `name` is the user's model's own: the user's model has it, and neither Keras
-        nor kmirror gives this model a name like it."""
-        state = vars(self)
-        return (
-            state.get("_answers_as_model", False)
-            and not hasattr(type(self), name)
-            and not keras_hooks.keras_model_name(name)
-            and hasattr(state["_model"], name)
-        )
-
-    @property
-    def layers(self):
-        return self._model.layers
-
-    @property
-    def trainable(self):
-        model = vars(self).get("_model")
-        return keras.Model.trainable.fget(self) if model is None else model.trainable
-
-    @trainable.setter
-    def trainable(self, value):
-        model = vars(self).get("_model")
-        if model is None:  # keras.Model's constructor sets it before there is a model
-            keras.Model.trainable.fset(self, value)
-        else:
-            model.trainable = value
-
-    inputs = property(lambda self: self._model.inputs)
-    outputs = property(lambda self: self._model.outputs)
-    input = property(lambda self: self._model.input)
-    output = property(lambda self: self._model.output)
-    input_shape = property(lambda self: self._model.input_shape)
-    output_shape = property(lambda self: self._model.output_shape)
-    input_spec = property(lambda self: self._model.input_spec)
-
-    def summary(self, *args, **kwargs):
-        return self._model.summary(*args, **kwargs)
-
-    def get_config(self):
-        raise NotImplementedError(
-            "a MirroredModel is not serialised itself; model.save(path) writes the user's model, "
-            "and kmirror.wrap(keras.models.load_model(path)) wraps it again."
-        )
 
     # -- compiling ------------------------------------------------------------------------------
     def compile(self, *args, **kwargs):

@@ -13,8 +13,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import cluster, reducers
-from kmirror._core import mirroring
+from kmirror import reducers
+from kmirror._core import cluster, mirroring
 from kmirror._core.model import MirroredModel
 from kmirror.reducers.base import Reducer
 

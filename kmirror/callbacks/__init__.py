@@ -9,11 +9,11 @@
 Plain Keras callbacks work as they are: the logs they see are global values, identical in every
 process, so `EarlyStopping` stops every process at the same epoch. In a job of several processes
 Keras' own `ModelCheckpoint`, `TensorBoard` and `CSVLogger` write once, from the chief
-(`keras_own`); Keras' `BackupAndRestore` runs as this package's; Ray Train's
-`ReportCheckpointCallback` reports its checkpoint from the chief alone (`ray_train`). A NaN or
+(docs/callbacks.md); Keras' `BackupAndRestore` runs as this package's; Ray Train's
+`ReportCheckpointCallback` reports its checkpoint from the chief alone. A NaN or
 infinite loss stops every process at the same step with `kmirror.errors.NonFiniteLoss`. With a
 `BackupAndRestore`, `SIGTERM` to any process stops every process before the same step, backed up
-there, with exit code `EXIT_PREEMPTED` (75; `kmirror.callbacks.preemption`).
+there, with exit code `EXIT_PREEMPTED` (75; docs/cluster.md, "Preemption").
 
 Example:
 
@@ -31,9 +31,9 @@ model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, callbacks=[
 ```
 """
 
-from kmirror.callbacks.backup import BackupAndRestore
-from kmirror.callbacks.checkpoint import ChiefCheckpoint
-from kmirror.callbacks.preemption import EXIT_PREEMPTED
-from kmirror.callbacks.tensorboard import ChiefTensorBoard
+from kmirror._core.callbacks.backup import BackupAndRestore
+from kmirror._core.callbacks.checkpoint import ChiefCheckpoint
+from kmirror._core.callbacks.preemption import EXIT_PREEMPTED
+from kmirror._core.callbacks.tensorboard import ChiefTensorBoard
 
 __all__ = ["ChiefCheckpoint", "ChiefTensorBoard", "BackupAndRestore", "EXIT_PREEMPTED"]

@@ -13,8 +13,8 @@ import contextlib
 
 import tensorflow as tf
 
-from kmirror import cluster
 from kmirror import devices as devices_lib
+from kmirror._core import cluster
 from kmirror.errors import PeerLost, reason
 from kmirror.reducers.base import Reducer
 from kmirror.reducers.in_process import require_gpus

@@ -30,11 +30,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from kmirror import data as data_lib
 from kmirror._core import keras_hooks
-from kmirror._core.feed import feeding, py_datasets
+from kmirror._core.callbacks.backup_folder import Position
+from kmirror._core.feed import feeding, py_datasets, sharding
 from kmirror._core.feed import rows as rows_lib
-from kmirror.callbacks.backup import Position
 from kmirror.reducers.base import Reducer
 
 __all__ = ["Inputs", "arguments_of", "batch_spec"]
@@ -226,7 +225,7 @@ class Inputs:
             return
         validation = arguments.get("validation_data")
         for name, data in (("x", arguments.get("x")), ("validation_data", validation)):
-            count = data_lib.local_batch_count(data)
+            count = sharding.local_batch_count(data)
             # A dataset's count never changes: fit's evaluate of every epoch needs no new check.
             if count is None or data in self._counted:
                 continue

@@ -21,8 +21,8 @@ import warnings
 import keras
 import tensorflow as tf
 
+from kmirror._core.callbacks.backup import BackupAndRestore, Position
 from kmirror._core.feed import feeding, py_datasets
-from kmirror.callbacks.backup import BackupAndRestore, Position
 from kmirror.reducers.base import Reducer
 
 __all__ = ["agree", "skippable"]

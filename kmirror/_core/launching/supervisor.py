@@ -26,7 +26,7 @@ __all__ += ["EXIT_PREEMPTED"]
 GRACE_SECONDS = 10.0
 
 #: The exit code of a process stopped by `SIGTERM` after its job's backup
-#: (`kmirror.callbacks.preemption`): the others are on their way out too, and are not signalled.
+#: (`_core.callbacks.preemption`): the others are on their way out too, and are not signalled.
 EXIT_PREEMPTED = 75
 
 #: Set when the launcher received SIGTERM (`passing_sigterm_on`): the job is not started again.

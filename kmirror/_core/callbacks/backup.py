@@ -7,31 +7,14 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import keras
 
-from kmirror import cluster
-from kmirror._core import keras_hooks
+from kmirror._core import cluster, keras_hooks
+from kmirror._core.callbacks.backup_folder import INDEX, Backup, Position, latest
 from kmirror._core.files import atomic_path, check_writable, digest
 
 __all__ = ["BackupAndRestore", "Position", "Backup"]
-
-
-class Position(NamedTuple):
-    """Where training stands: `step` batches of epoch `epoch` (0-based) are trained."""
-
-    epoch: int
-    step: int
-
-
-class Backup(NamedTuple):
-    """A backup found in the folder: its position, its weights file, and the state of Python's
-    `random` module the resumed epoch draws its batch order from."""
-
-    position: Position
-    weights: Path
-    python_random: list[int]
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -51,7 +34,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     under a temporary name and renamed into place, so a crash at any moment leaves a complete
     backup. The backup is deleted when training ends normally (unless `delete_checkpoint=False`).
     On `SIGTERM` a wrapped model's `fit` backs up where training stands and exits
-    (`kmirror.callbacks.preemption`).
+    (`_core.callbacks.preemption`).
 
     Example:
 
@@ -87,7 +70,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._every = save_freq if periodic else None  # batches between backups
         self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = bool(delete_checkpoint)
-        self._index = self.backup_dir / "backup.json"
+        self._index = self.backup_dir / INDEX
         #: Set by a kmirror model's fit: the position every process resumes from, and the file.
         self._agreed: tuple[Position, Path | None] | None = None
         self._position = Position(0, 0)
@@ -105,33 +88,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def latest(self) -> Backup | None:
         """The newest intact backup in `backup_dir` (the previous one when the latest is corrupt
         and `double_checkpoint` kept it); None when there is none."""
-        if not self._index.exists():
-            return None
-        try:
-            state = json.loads(self._index.read_text())
-        except (OSError, ValueError) as error:
-            raise ValueError(self._corrupt(f"{self._index} cannot be read ({error})")) from None
-        entries = [state, *([state["previous"]] if state.get("previous") else [])]
-        for number, entry in enumerate(entries):
-            weights = self.backup_dir / entry["weights"]
-            if weights.exists() and digest(weights) == entry["sha256"]:
-                position = Position(entry["epoch"], entry["step"])
-                return Backup(position, weights, entry["python_random"])
-            more = number + 1 < len(entries)
-            warnings.warn(
-                f"kmirror: the backup {weights} is missing or corrupt"
-                + ("; resuming from the previous backup." if more else "."),
-                stacklevel=2,
-            )
-        raise ValueError(self._corrupt(f"{entries[-1]['weights']} is missing or corrupt"))
-
-    def _corrupt(self, what: str) -> str:
-        fallback = ", or pass double_checkpoint=True to keep a previous backup to fall back to"
-        fallback = "" if self.double_checkpoint else fallback
-        return (
-            f"kmirror.callbacks.BackupAndRestore: the backup in {self.backup_dir} cannot be "
-            f"resumed: {what}. Delete the folder to train from the start{fallback}."
-        )
+        return latest(self.backup_dir, self.double_checkpoint)
 
     def resume_from(self, position: Position | None, weights: Path | None) -> None:
         """Called by a kmirror model's `fit` before training, on every process: the chief's

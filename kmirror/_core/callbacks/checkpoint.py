@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kmirror import cluster
-from kmirror._core import keras_hooks
+from kmirror._core import cluster, keras_hooks
 from kmirror._core.files import atomic_path, check_writable
 
 __all__ = ["ChiefCheckpoint"]

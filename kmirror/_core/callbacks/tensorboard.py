@@ -7,8 +7,7 @@ import time
 
 import keras
 
-from kmirror import cluster
-from kmirror._core import keras_hooks
+from kmirror._core import cluster, keras_hooks
 from kmirror.errors import steps_taken
 
 __all__ = ["ChiefTensorBoard"]

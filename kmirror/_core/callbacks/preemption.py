@@ -46,8 +46,8 @@ from collections.abc import Iterator
 
 import keras
 
+from kmirror._core.callbacks.backup import BackupAndRestore
 from kmirror._core.launching.supervisor import EXIT_PREEMPTED
-from kmirror.callbacks.backup import BackupAndRestore
 from kmirror.reducers.job import Job
 
 __all__ = ["EXIT_PREEMPTED", "Watch", "watch", "check_seconds"]

@@ -19,7 +19,7 @@ length of a `fit`, `evaluate` or `predict` call:
   subclass of it, whose hooks kmirror would not run, is refused with an error naming kmirror's.
 
 Ray Train's `ReportCheckpointCallback` reports a checkpoint from the chief only
-(`kmirror.callbacks.ray_train`).
+(`_core.callbacks.ray_train`).
 
 kmirror's own callbacks, and every other callback (`EarlyStopping`, `ReduceLROnPlateau`, ...:
 the same decisions on every process), run as given. Within one process every callback runs as
@@ -41,10 +41,10 @@ import weakref
 import keras
 
 from kmirror._core import keras_hooks
-from kmirror.callbacks import ray_train
-from kmirror.callbacks.backup import BackupAndRestore
-from kmirror.callbacks.checkpoint import ChiefCheckpoint
-from kmirror.callbacks.tensorboard import ChiefTensorBoard
+from kmirror._core.callbacks import ray_train
+from kmirror._core.callbacks.backup import BackupAndRestore
+from kmirror._core.callbacks.checkpoint import ChiefCheckpoint
+from kmirror._core.callbacks.tensorboard import ChiefTensorBoard
 
 __all__ = ["check", "stand_ins", "written_once"]
 
