@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import call_steps
 import global_steps
 import gradient_steps
 import keras
@@ -523,6 +524,7 @@ FEATURES = {
                 None,
             ),
             ("compiled_centralized", gradient_steps.centralized, global_steps.labelled, None),
+            ("own_step_add_loss", call_steps.vector_quantized, global_steps.unlabelled, None),
         ]
     },
     **{

@@ -3,7 +3,10 @@
 `splitting(own)` makes each Keras layer call that the step itself makes (a call from no other
 layer's call: `self.generator(noise)`, `self(x, training=True)`) run on this replica's rows of
 its inputs (the rows of its first input; an input of another row count is taken whole), and
-return the whole batch's output (`_core.global_batch`). Inside such a call,
+return the whole batch's output (`_core.global_batch`). The losses its layers add
+(`add_loss`, activity regularisers) are the replica's own while it runs, and one device's of the
+whole batch after it (each a mean over the rows, summed over the replicas by their shares),
+where `layer.losses` and `model.losses` read them. Inside such a call,
 Keras decides BatchNormalization's statistics and random draws over the call's whole batch, as in
 kmirror's own step (`replica`), and the state the call writes is recorded for its combination
 over the replicas (`OwnStep.recording`). Outside the calls the step computes as one device on the
@@ -55,6 +58,10 @@ class OwnStep:
     split_inputs: list = field(default_factory=list)
     #: Each output a call joined (by `id`): the output, what the replica computed, and its split.
     joins: dict = field(default_factory=dict)
+    #: The losses layers add (`add_loss`) in the call running, from the replica's rows (by the
+    #: layer's `id`), and, after its call, each layer's losses of the whole batch.
+    added: dict = field(default_factory=dict)
+    losses: dict = field(default_factory=dict)
 
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
@@ -121,13 +128,46 @@ def _call(layer, *args, **kwargs):
         global_statistics=own.global_statistics,
         padded=True,
     )
+    for inner in layer._flatten_layers(include_self=True):  # Keras clears them at a new call
+        own.losses.pop(id(inner), None)
     _state.inside = True
     try:
         with replica(call_rows), own.recording(split.count > 0):
             outputs = _original["__call__"](layer, *args, **kwargs)
     finally:
         _state.inside = False
+    _combine_losses(own, call_rows)
     return tf.nest.map_structure(lambda output: _joined(output, split, own), outputs)
+
+
+def _combine_losses(own: OwnStep, rows: Rows) -> None:
+    """The losses the call's layers added from the replica's rows, as one device's of the whole
+    batch: each a mean over the rows, weighed by the replica's share of them and summed over the
+    replicas (as kmirror's own step takes an `add_loss`)."""
+    for layer_id, added in own.added.items():
+        own.losses[layer_id] = [own.all_sum(loss * rows.share(loss.dtype)) for loss in added]
+    own.added.clear()
+
+
+def _add_loss(layer, loss):
+    """`Layer.add_loss`: inside a call of an own step, the loss is the replica's (every replica
+    calls the same layer object, whose own list Keras would share between them)."""
+    own = current_step()
+    if own is None or not _state.inside:
+        return _original["add_loss"](layer, loss)
+    for value in tf.nest.flatten(loss):
+        own.added.setdefault(id(layer), []).append(tf.convert_to_tensor(value))
+    return None
+
+
+def _get_own_losses(layer):
+    """A layer's `add_loss` losses (`layer.losses` reads them): in an own step, the replica's own
+    inside a call, and the whole batch's after it."""
+    own = current_step()
+    if own is None:
+        return _original["_get_own_losses"](layer)
+    found = own.added if _state.inside else own.losses
+    return list(found.get(id(layer), []))
 
 
 def _batched(leaf) -> bool:
@@ -169,4 +209,8 @@ def _install() -> None:
     with _install_lock:
         if not _original:
             _original["__call__"] = Layer.__call__
+            _original["add_loss"] = Layer.add_loss
+            _original["_get_own_losses"] = Layer._get_own_losses
             Layer.__call__ = _call
+            Layer.add_loss = _add_loss
+            Layer._get_own_losses = _get_own_losses
