@@ -84,8 +84,6 @@ class Watch(keras.callbacks.Callback):
     def __init__(self, backup: BackupAndRestore, job: Job) -> None:
         super().__init__()
         self._backup, self._job = backup, job
-        #: This watch decides, at the end of training, whether the backup is removed or kept.
-        backup.end_decided_elsewhere = True
         self._signalled = self._stopping = False
         self._seconds = check_seconds()
         self._calls_left, self._every, self._checked_at = 1, 1, None
@@ -98,6 +96,8 @@ class Watch(keras.callbacks.Callback):
             yield
             return
         previous = signal.signal(signal.SIGTERM, self._note)
+        # This watch decides, at the end of training, whether the backup is removed or kept.
+        self._backup.end_decided_elsewhere = True
         try:
             yield
         finally:
