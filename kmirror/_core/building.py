@@ -55,14 +55,15 @@ class Builder:
         model = self._model
         loss = keras_hooks.compiled_loss(model)
         loss_built = loss is None or loss.built
-        optimizers_built = all(o.built for o in mirroring.optimizers(model))
+        optimizers = mirroring.optimizers(model)
+        optimizers_built = all(o.built for o in optimizers)
         own_training = self._own_training()
         if own_training:
             step = step or ("train_step" if self._fitting() else "test_step")
             # Optimizers made since the training step was traced (the model compiled again)
             # are built by tracing it again.
             fresh = step == "train_step" and any(
-                not o.built and o not in self._traced_with for o in mirroring.optimizers(model)
+                not o.built and o not in self._traced_with for o in optimizers
             )
             if {step, "train_step"} & self._traced and not fresh:
                 return  # the step built what it uses; what it never uses stays unbuilt
