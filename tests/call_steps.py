@@ -5,11 +5,19 @@ exactness matrix).
 - `vector_quantized`: a vector-quantized autoencoder (its quantizer adds its codebook and
   commitment losses with `add_loss`, each a mean over the call's rows), trained by an own step
   that adds `sum(self.autoencoder.losses)` to its reconstruction loss and logs them.
+- `gated`: a layer keeps its gates on itself (`self.gates = ...` in `call`), and the step adds
+  their mean to its loss.
+- `node_classifier`: a graph the model holds (its nodes' features and its edges, in constants),
+  passed whole through message passing on every step; the batch is node indices, gathered from
+  the call's output. The layer also adds a loss of the nodes' states.
+- `prototypes`: a call whose inputs mix the batch's rows and a table the model holds with as many
+  rows as the batch (33 prototypes, batches of 33).
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
-from global_steps import FLOATX, LATENT, WIDTH
+from global_steps import FLOATX, LATENT, ROWS, WIDTH
 from keras import layers as L
 from keras import ops
 from real_models import precision
@@ -69,3 +77,157 @@ def vector_quantized():
         model = VectorQuantized()
         model.compile(optimizer=keras.optimizers.Adam(0.01))
     return model
+
+
+class Gate(L.Layer):
+    """Each row scaled by its gates; the gates kept on the layer."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], shape[-1]), initializer="glorot_uniform")
+
+    def call(self, x):
+        self.gates = ops.sigmoid(ops.matmul(x, self.kernel))
+        return x * self.gates
+
+
+class Gated(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+        self.net = keras.Sequential([keras.Input((WIDTH,)), self.gate, L.Dense(2)])
+
+    def train_step(self, data):
+        x, y = data
+        weights = self.net.trainable_variables
+        with tf.GradientTape() as tape:
+            error = ops.mean(ops.square(self.net(x, training=True) - y))
+            openness = ops.mean(self.gate.gates)
+            loss = error + 0.1 * openness
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return {"loss": loss, "openness": openness}
+
+
+def gated():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = Gated()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+NODES, CLASSES = 40, 3
+
+
+def _graph():
+    rng = np.random.default_rng(5)
+    features = rng.normal(size=(NODES, WIDTH))
+    edges = rng.integers(0, NODES, size=(3 * NODES, 2))
+    labels = np.argmax(features[:, :CLASSES], axis=1)
+    return features, edges, labels
+
+
+class MessagePassing(L.Layer):
+    """Each node's state from its own features and the sum of its neighbours'."""
+
+    def build(self, shapes):
+        width = shapes[0][-1]
+        self.own = self.add_weight(shape=(width, 8), initializer="glorot_uniform")
+        self.neighbours = self.add_weight(shape=(width, 8), initializer="glorot_uniform")
+        self.out = self.add_weight(shape=(8, CLASSES), initializer="glorot_uniform")
+
+    def call(self, inputs):
+        features, edges = inputs
+        sent = ops.take(ops.matmul(features, self.neighbours), edges[:, 0], axis=0)
+        received = tf.math.unsorted_segment_sum(sent, edges[:, 1], NODES)
+        states = ops.tanh(ops.matmul(features, self.own) + received)
+        self.add_loss(0.01 * ops.mean(ops.square(states)))
+        return ops.matmul(states, self.out)
+
+
+class NodeClassifier(keras.Model):
+    def __init__(self):
+        super().__init__()
+        features, edges, _ = _graph()
+        self.features = tf.constant(features, FLOATX)
+        self.edges = tf.constant(edges, "int32")
+        self.passing = MessagePassing()
+
+    def train_step(self, data):
+        nodes, labels = data
+        with tf.GradientTape() as tape:
+            logits = ops.take(self.passing([self.features, self.edges]), nodes, axis=0)
+            error = ops.mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+            states = ops.sum(self.passing.losses)
+            loss = error + states
+        weights = self.passing.trainable_variables  # built by its first call
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return {"loss": loss, "states": states}
+
+
+def node_classifier():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = NodeClassifier()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def node_batches():
+    """Node indices (the batch) and their labels."""
+    _, _, labels = _graph()
+    nodes = np.random.default_rng(6).integers(0, NODES, size=ROWS)
+    return nodes, labels[nodes], None
+
+
+PROTOTYPES = 33
+
+
+class Matcher(L.Layer):
+    """Each row's logits: its similarity to every prototype, both projected alike."""
+
+    def build(self, shapes):
+        self.projection = self.add_weight(shape=(shapes[0][-1], 4), initializer="glorot_uniform")
+
+    def call(self, inputs):
+        rows, prototypes = inputs
+        return ops.matmul(
+            ops.matmul(rows, self.projection),
+            ops.transpose(ops.matmul(prototypes, self.projection)),
+        )
+
+
+class Prototypes(keras.Model):
+    def __init__(self):
+        super().__init__()
+        table = np.random.default_rng(7).normal(size=(PROTOTYPES, WIDTH))
+        self.table = tf.constant(table, FLOATX)
+        self.matcher = Matcher()
+
+    def train_step(self, data):
+        x, labels = data
+        with tf.GradientTape() as tape:
+            logits = self.matcher([x, self.table])
+            loss = ops.mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+        weights = self.matcher.trainable_variables  # built by its first call
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return {"loss": loss}
+
+
+def prototypes():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = Prototypes()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
+def nearest_prototype():
+    """Rows labelled by their nearest prototype."""
+    x = np.random.default_rng(8).normal(size=(ROWS, WIDTH))
+    table = np.random.default_rng(7).normal(size=(PROTOTYPES, WIDTH))
+    distances = ((x[:, None, :] - table[None]) ** 2).sum(-1)
+    return x, np.argmin(distances, axis=1), None

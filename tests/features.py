@@ -525,6 +525,9 @@ FEATURES = {
             ),
             ("compiled_centralized", gradient_steps.centralized, global_steps.labelled, None),
             ("own_step_add_loss", call_steps.vector_quantized, global_steps.unlabelled, None),
+            ("own_step_attribute", call_steps.gated, global_steps.labelled, None),
+            ("own_step_held_graph", call_steps.node_classifier, call_steps.node_batches, None),
+            ("own_step_held_table", call_steps.prototypes, call_steps.nearest_prototype, None),
         ]
     },
     **{

@@ -214,6 +214,37 @@ def test_a_layer_returning_a_scalar_to_an_own_step_is_refused_with_the_fix():
         np.testing.assert_array_equal(a, b)
 
 
+class KeepsItsMean(keras.layers.Layer):
+    """A layer that keeps on itself one value for all the rows of its call."""
+
+    def call(self, x):
+        self.mean = ops.mean(x)
+        return x
+
+
+def test_a_layer_keeping_a_value_over_its_rows_is_refused_when_the_step_reads_it():
+    class ReadsTheMean(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = ops.mean(ops.square(y_pred - y)) + self.layers[-1].mean
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    model = ReadsTheMean([keras.Input((8,)), keras.layers.Dense(3), KeepsItsMean()])
+    model.compile(optimizer="sgd")
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    before = model.get_weights()
+    x, y = dense_data()
+    y = np.eye(3)[y]
+    with pytest.raises(ValueError, match="reads `mean` of layer 'keeps_its_mean'.*one value per"):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+    for a, b in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 class OwnMetrics(keras.Sequential):
     """A model whose own `compute_metrics` logs one more value: the mean of its predictions."""
 

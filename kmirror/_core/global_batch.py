@@ -5,10 +5,11 @@ computes outside its models' layers (losses, logs, metric arguments, draws) is o
 A layer call made by the step runs on the replica's rows of its inputs (`Split.rows`) and gives
 the output of the whole batch (`Split.joined`):
 
-- forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of the call's first input, of
-  `B` rows, and the same rows of each input of as many rows; an input of another row count is
-  not rows of the batch (a row broadcast to every row, a set of class prototypes) and is taken
-  whole (`rows_or_whole`); the replicas' outputs are joined in replica order (the row order);
+- forward: replica `i` of `n` takes rows `[i*B//n, (i+1)*B//n)` of the call's first input
+  that is rows of the batch, of `B` rows, and the same rows of each such input of as many rows;
+  an input of another row count (a row broadcast to every row) is taken whole (`rows_or_whole`),
+  and so is one that is not rows of the batch, whatever its row count (`whole`: a graph or a
+  table the model holds); the replicas' outputs are joined in replica order (the row order);
 - backward: a joined output's gradient is this replica's rows of the gradient coming back, times
   `n`; an input's gradient is every replica's rows of it, joined, divided by `n`. Each is the
   other's gradient, so a gradient of a gradient (a gradient penalty) is split and joined the same
@@ -103,8 +104,27 @@ class Split:
         backward, the whole input's gradient is the sum of every replica's (divided by `n`, as an
         input's gradient is, see `_rows`)."""
         tensor = tf.convert_to_tensor(tensor)
+        return self._rows_or_whole(tensor, tf.equal(tf.shape(tensor)[0], self.total))
+
+    def whole(self, tensor):
+        """A call's input that is not rows of the batch (the model's own: a graph, a table), of
+        any row count: every replica's rows use it whole, as one device's do; going backward its
+        gradient is the sum of every replica's, divided by `n`."""
+        tensor = tf.convert_to_tensor(tensor)
+        if not _differentiable(tensor):
+            return tensor
+
+        @tf.custom_gradient
+        def whole(tensor):
+            def gradient(upstream):
+                return self._times(self.all_sum(tf.convert_to_tensor(upstream)), -1)
+
+            return tf.identity(tensor), gradient
+
+        return whole(tensor)
+
+    def _rows_or_whole(self, tensor, alike):
         total = tf.shape(tensor)[0]
-        alike = tf.equal(total, self.total)
         every = tf.range(total)
         taken = tf.cond(
             alike, lambda: tf.range(self.first, self.first + self.computed), lambda: every

@@ -103,6 +103,7 @@ def _run(
     (`placement.split`), which the replicas join."""
     shards = None if place is None else placement.split(reducer, data, place)
     state = LayerState(model, reducer, global_statistics)
+    steps = []  # each replica's
 
     def local(shard):
         batch = data if shard is None else _joined(reducer, shard[0])
@@ -115,15 +116,20 @@ def _run(
             variable_scope=reducer.scope,
             recording=state.recording,
             global_statistics=global_statistics,
+            provenance=keras_hooks.Provenance(batch),
         )
+        steps.append(own)
         before = state.before()
         with keras_hooks.splitting(own):
             result = method(batch)
         return after(state.combine(before), result)
 
     own_gradients.install()
-    with _hooked(model), draws.watched():
-        return reducer.run(local, args=(shards,))
+    try:
+        with _hooked(model), draws.watched():
+            return reducer.run(local, args=(shards,))
+    finally:
+        keras_hooks.settle(steps)
 
 
 def _joined(reducer: Reducer, rows):

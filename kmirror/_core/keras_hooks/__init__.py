@@ -34,6 +34,7 @@ from kmirror._core.keras_hooks.calls import (  # noqa: E402
     OwnStep,
     current_step,
     inside_layer_call,
+    settle,
     splitting,
 )
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
@@ -74,6 +75,7 @@ from kmirror._core.keras_hooks.overrides import (  # noqa: E402
     saves_as_keras,
     train_writer,
 )
+from kmirror._core.keras_hooks.provenance import Provenance  # noqa: E402
 from kmirror._core.keras_hooks.reading import (  # noqa: E402
     batch_order,
     batches_spec,
@@ -105,9 +107,11 @@ __all__ = [
     "train_writer",
     "Rows",
     "OwnStep",
+    "Provenance",
     "splitting",
     "current_step",
     "inside_layer_call",
+    "settle",
     "current",
     "replica",
     "install",
