@@ -16,6 +16,8 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import shared_cache  # noqa: E402
+
 import kmirror  # noqa: E402
 
 MAX_DEVICES = 7
@@ -36,6 +38,15 @@ JOBS = (
 )
 #: Groups handed out first, costliest first (the others follow in the order collected).
 FIRST = ("jobs", "deep DenseNet121", "deep ResNet50", "deep EfficientNetB0", "deep ConvNeXtTiny")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_folder(tmp_path_factory, worker_id):
+    """Under pytest-xdist, the run's folder the test processes share (tests/shared_cache.py)."""
+    if worker_id != "master":
+        folder = tmp_path_factory.getbasetemp().parent / "shared"
+        folder.mkdir(exist_ok=True)
+        os.environ[shared_cache.SHARED] = str(folder)
 
 
 def cpus(n: int) -> list[str]:

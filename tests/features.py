@@ -35,6 +35,7 @@ from own_steps import (
     vae,
 )
 from real_models import precision
+from shared_cache import shared
 
 EPOCHS = 3
 
@@ -578,6 +579,17 @@ TRANSFORMER_VARIANTS = {
         tolerance=1e-4,
     ),
 }
+
+
+def one_device(name: str) -> tuple[list, dict]:
+    """FEATURES[name] trained on one device: its weights and history, trained once per run."""
+
+    def train():
+        model = FEATURES[name].build()
+        history = fit(model, FEATURES[name])
+        return model.get_weights(), history
+
+    return shared(f"feature-{name}", train)
 
 
 def assert_same_logs(feature: Feature, expected: dict, actual: dict) -> None:

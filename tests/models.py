@@ -128,6 +128,16 @@ def subclassed_model(opt="sgd", seed=1):
     return model
 
 
+class Weights:
+    """Weights kept apart from their model (a process's, a reference's), as `get_weights` gives."""
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def get_weights(self):
+        return self.weights
+
+
 def max_weight_difference(a, b) -> float:
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
 

@@ -5,10 +5,10 @@ import functools
 
 import global_steps
 import numpy as np
-from features import FEATURES, assert_same_logs
-from features import fit as features_fit
+from features import FEATURES, assert_same_logs, one_device
 from models import (
     BATCH,
+    Weights,
     assert_same_history,
     dense_data,
     dense_model,
@@ -83,15 +83,9 @@ def assert_equal_across_ranks(ranks, scenario):
     assert first["history"] == second["history"]
 
 
-@functools.cache
-def feature_reference(name: str):
-    """A feature of tests/features.py trained on one device: (model, history)."""
-    model = FEATURES[name].build()
-    return model, features_fit(model, FEATURES[name])
-
-
 def assert_feature_equals_single_device(ranks, name):
-    model, history = feature_reference(name)
+    weights, history = one_device(name)
+    model = Weights(weights)
     scenario = f"feature {name}"
     assert_equal_across_ranks(ranks, scenario)
     for rank in ranks:
@@ -158,14 +152,6 @@ def assert_own_evaluation_equals_single_device(ranks):
     for rank in ranks:
         np.testing.assert_allclose(rank["own evaluation"]["evaluate"], expected_evaluate, rtol=1e-5)
         np.testing.assert_allclose(rank["own evaluation"]["predict"], expected_predict, atol=1e-5)
-
-
-class Weights:
-    def __init__(self, weights):
-        self.weights = weights
-
-    def get_weights(self):
-        return self.weights
 
 
 def square_and_task(value):

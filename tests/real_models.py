@@ -26,10 +26,10 @@ float64 its depthwise convolutions take 6 s a step on CPUs.
 
 import contextlib
 import dataclasses
-import functools
 
 import keras
 import numpy as np
+from shared_cache import shared
 
 #: The smallest member of each `keras.applications` family, at the smallest input it accepts.
 FAMILIES = {
@@ -204,15 +204,18 @@ def precision(floatx: str):
         keras.config.set_dtype_policy(policy)
 
 
-@functools.cache
 def deep_reference(name: str):
-    """`DEEP[name]` trained on one device: (weights, history)."""
-    deep = DEEP[name]
-    with precision(deep.floatx):
-        model = deep.build()
-        model.optimizer.build(model.trainable_variables)  # built before fit, as kmirror does
-        history = deep.fit(model)
-    return model.get_weights(), history
+    """`DEEP[name]` trained on one device: (weights, history), trained once per run."""
+
+    def train():
+        deep = DEEP[name]
+        with precision(deep.floatx):
+            model = deep.build()
+            model.optimizer.build(model.trainable_variables)  # built before fit, as kmirror does
+            history = deep.fit(model)
+        return model.get_weights(), history
+
+    return shared(f"deep-{name}", train)
 
 
 # -- the keras.io transfer-learning guide -------------------------------------------------------
@@ -290,9 +293,12 @@ def transfer_flow(model, base) -> dict:
     }
 
 
-@functools.cache
 def transfer_reference():
-    """The flow on one device: (weights, histories, the base's weights)."""
-    model, base = transfer_model()
-    history = transfer_flow(model, base)
-    return model.get_weights(), history, base.get_weights()
+    """The flow on one device: (weights, histories, the base's weights), trained once per run."""
+
+    def train():
+        model, base = transfer_model()
+        history = transfer_flow(model, base)
+        return model.get_weights(), history, base.get_weights()
+
+    return shared("transfer", train)

@@ -30,13 +30,8 @@ from kmirror import versions
 
 versions.check()  # before the internals this package touches
 
-from kmirror._core.keras_hooks.calls import (  # noqa: E402
-    OwnStep,
-    current_step,
-    inside_layer_call,
-    settle,
-    splitting,
-)
+from kmirror._core.keras_hooks.call_state import settle  # noqa: E402
+from kmirror._core.keras_hooks.calls import splitting  # noqa: E402
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
@@ -74,6 +69,11 @@ from kmirror._core.keras_hooks.overrides import (  # noqa: E402
     methods_replaced,
     saves_as_keras,
     train_writer,
+)
+from kmirror._core.keras_hooks.own_thread import (  # noqa: E402
+    OwnStep,
+    current_step,
+    inside_layer_call,
 )
 from kmirror._core.keras_hooks.provenance import Provenance  # noqa: E402
 from kmirror._core.keras_hooks.reading import (  # noqa: E402
