@@ -37,7 +37,15 @@ JOBS = (
     "tests/test_docs.py::test_every_public_name_has_a_runnable_example",
 )
 #: Groups handed out first, costliest first (the others follow in the order collected).
-FIRST = ("jobs", "deep DenseNet121", "deep ResNet50", "deep EfficientNetB0", "deep ConvNeXtTiny")
+FIRST = (
+    "jobs",
+    "deep DenseNet121",
+    "deep ResNet50",
+    "deep EfficientNetB0",
+    "deep ConvNeXtTiny",
+    "deep MobileNetV2",
+    "deep image_classification",
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
