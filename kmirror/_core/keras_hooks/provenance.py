@@ -25,9 +25,12 @@ class Provenance:
 
     def __init__(self, batch) -> None:
         self._known: dict = {}  # an op -> whether it computes from the batch
+        self._rows = set()  # the batch's row counts known when the step is traced
         for leaf in tf.nest.flatten(batch):
             if _symbolic(leaf):
                 self._known[leaf.op] = True
+                if leaf.shape.rank and leaf.shape[0] is not None:
+                    self._rows.add(leaf.shape[0])
 
     def mark(self, tensor) -> None:
         """`tensor` is rows of the batch (a call's joined output)."""
@@ -35,32 +38,41 @@ class Provenance:
             self._known[tensor.op] = True
 
     def of_batch(self, tensor) -> bool | None:
-        """Whether the step computed `tensor` from its batch (None: not known, in eager mode).
-        An input the graph does not say where it comes from (a loop's variable) is taken to be
-        the model's: a call on it runs whole, which is one device's computation."""
+        """Whether the step computed `tensor` from its batch (None: not known, in eager mode):
+        from the batch's tensors, or drawn in the step with as many rows as the batch has when
+        its row count is known in the trace (noise of the batch's size). An input the graph
+        does not say where it comes from (a loop's variable) is taken to be the model's: a call
+        on it runs whole, which is one device's computation."""
         if tf.executing_eagerly():
             return None
         if not _symbolic(tensor):
             return False  # an array or a constant made outside the step
         start = tensor.op
-        if start in self._known:
-            return self._known[start]
-        seen, stack = {start}, [start]
+        if start not in self._known:
+            found, drawn = self._walk(start)
+            rows = tensor.shape.rank and tensor.shape[0] in self._rows
+            self._known[start] = found or bool(drawn and rows)
+        return self._known[start]
+
+    def _walk(self, start) -> tuple[bool, bool]:
+        """(whether `start` computes from the batch, whether from a random draw)."""
+        seen, stack, drawn = {start}, [start], False
         while stack:
             op = stack.pop()
-            known = self._known.get(op)
-            if known:
-                self._known[start] = True
-                return True
-            if known is False:
-                continue
+            if self._known.get(op):
+                return True, drawn
+            drawn = drawn or _random(op)
             for source in _sources(op):
                 if source not in seen:
                     seen.add(source)
                     stack.append(source)
-        for op in seen:  # every op found from here computes from the model's values only
-            self._known[op] = False
-        return False
+        return False, drawn
+
+
+def _random(op) -> bool:
+    """Whether `op` draws random numbers (TensorFlow's stateful and stateless draws)."""
+    kind = op.type
+    return "Random" in kind or "TruncatedNormal" in kind or "Multinomial" in kind
 
 
 def _symbolic(tensor) -> bool:
