@@ -23,6 +23,15 @@ from keras import ops
 from real_models import precision
 
 
+def _built(model_class):
+    """`model_class()` seeded, in float64, compiled with Adam."""
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        model = model_class()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    return model
+
+
 class Quantizer(L.Layer):
     """Each row's nearest code of a codebook; the codebook and commitment losses added."""
 
@@ -72,11 +81,7 @@ class VectorQuantized(keras.Model):
 
 
 def vector_quantized():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = VectorQuantized()
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    return model
+    return _built(VectorQuantized)
 
 
 class Gate(L.Layer):
@@ -108,11 +113,7 @@ class Gated(keras.Model):
 
 
 def gated():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = Gated()
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    return model
+    return _built(Gated)
 
 
 NODES, CLASSES = 40, 3
@@ -167,11 +168,7 @@ class NodeClassifier(keras.Model):
 
 
 def node_classifier():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = NodeClassifier()
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    return model
+    return _built(NodeClassifier)
 
 
 def node_batches():
@@ -218,11 +215,7 @@ class Prototypes(keras.Model):
 
 
 def prototypes():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = Prototypes()
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
-    return model
+    return _built(Prototypes)
 
 
 def nearest_prototype():
