@@ -92,6 +92,13 @@ def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):
     assert_every_process_raised_for_a_diverged_weight(launched(1, tmp_path_factory))
 
 
+def test_a_long_job_keeps_few_threads(tmp_path_factory):
+    """After the feature matrix's thousands of collectives, a worker holds a few hundred threads,
+    not one per collective of the last `timeout_seconds` (12,000 with a 120 s timeout)."""
+    for rank in launched(1, tmp_path_factory):
+        assert rank["threads"] < 600
+
+
 def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(tmp_path_factory):
     """MobileNetV2 in float64 and the keras.io transfer-learning flow, on 2 workers of one
     device each, each starting from its own weights."""
@@ -259,7 +266,7 @@ kmirror.cluster.connect()
 sys.path.insert(0, {tests!r})
 import keras
 from models import dense_data, dense_model
-model = kmirror.wrap(dense_model(), reducer="ring", timeout_seconds=60)
+model = kmirror.wrap(dense_model(), reducer="ring")
 x, y = dense_data(n=20000)
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 class Mark(keras.callbacks.Callback):

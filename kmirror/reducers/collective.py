@@ -45,7 +45,11 @@ class Collective(Reducer):
 
     Args:
         communication: "ring", "nccl" or "auto" (TensorFlow chooses).
-        timeout_seconds: how long a collective may wait for another worker before failing.
+        timeout_seconds: how long a collective may wait for another worker before failing;
+            None (the default): as long as the worker is reachable. A worker that dies is found
+            by TensorFlow within seconds either way. TensorFlow keeps one sleeping thread per
+            collective for its timeout, so a timeout costs `collectives per second x timeout`
+            threads: a job of many small steps held 12,000 threads per process at 120 s.
     """
 
     options = ("timeout_seconds",)
@@ -54,7 +58,7 @@ class Collective(Reducer):
     # step is called, which a step nested in Keras' while loop and condition cannot be fed.
     steps_in_one_call = False
 
-    def __init__(self, communication: str = "ring", timeout_seconds: float = 120.0) -> None:
+    def __init__(self, communication: str = "ring", timeout_seconds: float | None = None) -> None:
         super().__init__()
         if communication not in IMPLEMENTATIONS:
             raise ValueError(f"communication must be one of {list(IMPLEMENTATIONS)}.")
