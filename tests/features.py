@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import batch_steps
 import call_steps
 import global_steps
 import gradient_steps
@@ -529,6 +530,18 @@ FEATURES = {
             ("own_step_attribute", call_steps.gated, global_steps.labelled, None),
             ("own_step_held_graph", call_steps.node_classifier, call_steps.node_batches, None),
             ("own_step_held_table", call_steps.prototypes, call_steps.nearest_prototype, None),
+            (
+                "compiled_batch_statistics",
+                batch_steps.compiled_batch_statistics,
+                global_steps.labelled,
+                global_steps.validation,
+            ),
+            (
+                "own_step_batch_statistics",
+                batch_steps.own_step_batch_statistics,
+                global_steps.labelled,
+                None,
+            ),
         ]
     },
     **{

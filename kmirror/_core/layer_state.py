@@ -14,6 +14,10 @@ is combined over every replica in one all-reduce, as `add_weight(aggregation=...
   where they did not, the step raises before it updates any weight, and the error says to
   declare the aggregation (`kmirror.errors.DIVERGED`).
 
+A value computed from a reduction over the rows that kmirror made the whole batch's (a running
+sum of the batch's `ops.sum`, a metric's update in `call`: `keras_hooks.reductions`) is one
+device's on every replica already: whatever the aggregation, the first replica's value is kept.
+
 What kmirror keeps alike by construction is left as it is: weights and optimizer state (every
 replica applies the summed gradient), seed generators' states (every replica takes its rows of
 one device's draw), BatchNormalization's moving statistics when they come from the global batch's
@@ -78,9 +82,13 @@ class LayerState:
             v for v in mirroring.state(model) if not v.trainable and id(v) not in kept
         ]
         self._written = {}  # id -> variable: what any replica of this trace wrote
+        #: Written from a reduction made the whole batch's: alike on every replica.
+        self._alike = {}
         self._layout = None  # the written candidates, in the order every replica packs them
 
     def _aggregation_of(self, variable) -> str:
+        if id(variable) in self._alike:
+            return "only_first_replica"
         aggregation = self._aggregation.get(id(variable), variable.aggregation)
         return aggregation if aggregation in _AGGREGATIONS else "none"
 
@@ -100,12 +108,13 @@ class LayerState:
         `_core.global_batch`): what the block adds to a `"sum"` weight there is taken back."""
         sums = [v for v in self._candidates if self._aggregation_of(v) == "sum"]
         before = {id(v): keras_hooks.storage(v).read_value() for v in sums}
-        written = {}
-        with keras_hooks.recording(written):
+        written, alike = {}, {}
+        with keras_hooks.recording(written, alike):
             yield
         self._written.update(written)
+        self._alike.update(alike)
         for variable in sums:
-            if id(variable) in written:
+            if id(variable) in written and id(variable) not in alike:
                 stored, start = keras_hooks.storage(variable), before[id(variable)]
                 added = (stored.read_value() - start) * tf.cast(has_rows, start.dtype)
                 stored.assign(start + added)

@@ -59,9 +59,10 @@ def _rows(
 
 def _no_sums_under_xla(value):
     raise ValueError(
-        "kmirror: this model's loss needs a sum over the replicas inside each replica's forward "
-        "pass (a loss over masked outputs, or reduction='mean_with_sample_weight' with sample "
-        "weights), which XLA cannot compile here. Compile with jit_compile=False."
+        "kmirror: this model needs a sum over the replicas inside each replica's forward pass "
+        "(a loss over masked outputs, reduction='mean_with_sample_weight' with sample weights, "
+        "or a layer's sum or mean over the rows of its call), which XLA cannot compile here. "
+        "Compile with jit_compile=False."
     )
 
 
@@ -195,7 +196,8 @@ def evaluate(
     def local_step(local):
         (x, y, sample_weight), start, total = local
         start, total = placed(reducer, x, start, total, place)
-        rows = _rows(reducer, x, start, total, global_statistics=False)
+        # A layer's reduction over the rows of its call is the whole batch's here too.
+        rows = _rows(reducer, x, start, total, global_statistics=True)
         own = (x, y, sample_weight)
         padded = one_row_at_least(own, rows.count)
         before = state.before()

@@ -17,6 +17,9 @@ TensorFlow has no public API for these things kmirror needs:
 - a mirrored variable read as a number (`read_as_numbers`): TensorFlow's distributed variables,
   which hold a mirrored Keras variable's value, lack the `int()`, `float()` and `complex()` a
   `tf.Variable` has;
+- the functions every reduction of TensorFlow, Keras and NumPy-like code ends in
+  (`reduction_functions`: `gen_math_ops.mean`, `_sum`, ...), which kmirror replaces so that a
+  reduction over the rows of a layer call is the whole batch's (`keras_hooks.reductions`);
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
 
@@ -41,6 +44,7 @@ from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
 from tensorflow.python.eager import context  # noqa: E402
+from tensorflow.python.ops import gen_math_ops, gen_nn_ops  # noqa: E402
 
 __all__ = [
     "GroupedAllReduce",
@@ -54,6 +58,7 @@ __all__ = [
     "slurm_tasks",
     "strategy_of",
     "read_as_numbers",
+    "reduction_functions",
 ]
 
 
@@ -168,6 +173,25 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
     """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
     without GPUs)."""
     return _MultiWorker(resolver, options, cpu_devices)
+
+
+def reduction_functions() -> list[tuple[object, str, str]]:
+    """(module, function, op type) of the functions TensorFlow's reductions call to make their
+    op: `tf.reduce_mean`, `tf.math.reduce_variance`, `tf.nn.moments`, Keras' `ops.mean`,
+    `ops.var` and the rest all end in one of these, looked up on the module when called."""
+    return [
+        (gen_math_ops, "_sum", "Sum"),
+        (gen_math_ops, "mean", "Mean"),
+        (gen_math_ops, "_max", "Max"),
+        (gen_math_ops, "_min", "Min"),
+        (gen_math_ops, "prod", "Prod"),
+        (gen_math_ops, "euclidean_norm", "EuclideanNorm"),
+        (gen_math_ops, "arg_max", "ArgMax"),
+        (gen_math_ops, "arg_min", "ArgMin"),
+        (gen_math_ops, "cumsum", "Cumsum"),
+        (gen_math_ops, "cumprod", "Cumprod"),
+        (gen_nn_ops, "top_kv2", "TopKV2"),
+    ]
 
 
 def slurm_tasks(nodes: str, tasks_per_node: str) -> list[tuple[str, int]]:

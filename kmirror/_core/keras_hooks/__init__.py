@@ -31,7 +31,7 @@ from kmirror import versions
 versions.check()  # before the internals this package touches
 
 from kmirror._core.keras_hooks.call_state import settle  # noqa: E402
-from kmirror._core.keras_hooks.calls import splitting  # noqa: E402
+from kmirror._core.keras_hooks.calls import replica, splitting  # noqa: E402
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
@@ -91,7 +91,6 @@ from kmirror._core.keras_hooks.replica import (  # noqa: E402
     compute_loss,
     current,
     install,
-    replica,
 )
 from kmirror._core.keras_hooks.rows import Rows  # noqa: E402
 from kmirror._core.keras_hooks.storage import forget_traces, storage, store  # noqa: E402

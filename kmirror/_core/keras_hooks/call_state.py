@@ -14,6 +14,9 @@ call would be shared by the replicas, each reading another's. While an own step 
   (`join_attributes`); one over the rows is refused, naming the layer, when the step reads it.
   After the step, each is set on its layer as the first replica set it (`settle`).
 
+In kmirror's own step the losses a layer adds are the replica's too (`begin_compiled_call`): the
+step weighs the loss they are part of by the replica's share of the rows.
+
 `install` replaces `Layer.add_loss`, `Layer._get_own_losses` and `Layer.__setattr__`, and adds
 `Layer.__getattr__` (Keras' `Layer` has none): each acts as Keras' own on every other thread and
 outside a step. Checked on Keras 3.15.1 and 3.12.4.
@@ -30,9 +33,10 @@ import tensorflow as tf
 from keras.src.layers.layer import Layer
 
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step, inside_layer_call
+from kmirror._core.keras_hooks.replica import current
 from kmirror._core.keras_hooks.rows import Rows
 
-__all__ = ["combine_losses", "join_attributes", "settle", "install"]
+__all__ = ["combine_losses", "join_attributes", "settle", "begin_compiled_call", "install"]
 
 _original: dict[str, Callable] = {}
 _install_lock = threading.Lock()
@@ -128,10 +132,28 @@ def settle(steps: list[OwnStep]) -> None:
         _original["__setattr__"](layer, name, value)
 
 
+_compiled = threading.local()  # `losses`: the layers' losses of kmirror's step on this replica
+
+
+def begin_compiled_call() -> None:
+    """kmirror's step calls the model on the replica's rows: as Keras' own outermost call does,
+    the losses the layers added before are dropped."""
+    _compiled.losses = {}
+
+
+def _in_compiled_step() -> bool:
+    rows = current()
+    return current_step() is None and rows is not None and not rows.whole
+
+
 def _add_loss(layer, loss):
-    """`Layer.add_loss`: inside a call of an own step, the loss is the replica's (every replica
+    """`Layer.add_loss`: in a replica's part of a step, the loss is the replica's (every replica
     calls the same layer object, whose own list Keras would share between them)."""
     own = current_step()
+    if own is None and _in_compiled_step():
+        for value in tf.nest.flatten(loss):
+            _compiled.losses.setdefault(id(layer), []).append(tf.convert_to_tensor(value))
+        return None
     if own is None or not inside_layer_call():
         return _original["add_loss"](layer, loss)
     for value in tf.nest.flatten(loss):
@@ -141,8 +163,10 @@ def _add_loss(layer, loss):
 
 def _get_own_losses(layer):
     """A layer's `add_loss` losses (`layer.losses` reads them): in an own step, the replica's own
-    inside a call, and the whole batch's after it."""
+    inside a call, and the whole batch's after it; in kmirror's step, the replica's own."""
     own = current_step()
+    if own is None and _in_compiled_step():
+        return list(getattr(_compiled, "losses", {}).get(id(layer), []))
     if own is None:
         return _original["_get_own_losses"](layer)
     found = own.added if inside_layer_call() else own.losses

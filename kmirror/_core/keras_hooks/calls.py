@@ -29,13 +29,14 @@ from keras.src import backend
 from keras.src.layers.layer import Layer
 
 from kmirror._core.global_batch import Split
-from kmirror._core.keras_hooks import call_state
+from kmirror._core.keras_hooks import call_state, reductions
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step
 from kmirror._core.keras_hooks.own_thread import state as _state
-from kmirror._core.keras_hooks.replica import replica
+from kmirror._core.keras_hooks.replica import current
+from kmirror._core.keras_hooks.replica import replica as replica_rows
 from kmirror._core.keras_hooks.rows import Rows
 
-__all__ = ["splitting"]
+__all__ = ["splitting", "replica"]
 
 
 _original: dict[str, Callable] = {}
@@ -51,16 +52,33 @@ def splitting(own: OwnStep) -> Iterator[None]:
     _state.step, _state.inside = own, False
     whole = Rows(start=0, count=0, total=0, all_sum=own.all_sum, whole=True)
     try:
-        with replica(whole):
+        with replica_rows(whole):
             yield
     finally:
         _state.step, _state.inside = previous
 
 
+def replica(rows: Rows) -> contextlib.AbstractContextManager:
+    """kmirror's step on a replica's `rows` (`replica.replica`): the model's call computes on
+    them, and a reduction over them inside a layer's call is the whole batch's (`reductions`)."""
+    _install()
+    return replica_rows(rows)
+
+
 def _call(layer, *args, **kwargs):
     own = current_step()
+    if reductions.active():  # inside a call on the replica's rows
+        with reductions.within(layer):
+            return _original["__call__"](layer, *args, **kwargs)
     if own is None or _state.inside:
-        return _original["__call__"](layer, *args, **kwargs)
+        rows = current()
+        if own is not None or rows is None or rows.whole:
+            return _original["__call__"](layer, *args, **kwargs)
+        # kmirror's step: the replica's rows of the batch, in every input of the model's call
+        seeds = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
+        call_state.begin_compiled_call()
+        with reductions.over_rows(layer, seeds, rows):
+            return _original["__call__"](layer, *args, **kwargs)
     batched = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
     known = [own.provenance.of_batch(t) for t in batched]
     if None in known:  # in eager mode: the call's rows are its first input's
@@ -71,6 +89,7 @@ def _call(layer, *args, **kwargs):
         return _whole(own, layer, args, kwargs)
     reference = next(_tensor(t) for t in batched if id(t) in of_batch)  # the call's rows
     split = Split.of(reference, own.index, own.replicas, own.all_gather, own.all_sum)
+    rows_taken = set()  # the inputs taken as the replica's rows (not whole)
 
     def rows(leaf):
         if not _batched(leaf):
@@ -86,9 +105,12 @@ def _call(layer, *args, **kwargs):
         else:  # as many rows as the call's, or another count (known when the step runs)
             taken = split.rows_or_whole(_tensor(leaf))
         own.split_inputs.append(taken)
+        if alike:
+            rows_taken.add(id(taken))
         return taken
 
     args, kwargs = tf.nest.map_structure(rows, (args, kwargs))
+    seeds = [t for t in tf.nest.flatten((args, kwargs)) if id(t) in rows_taken]
     call_rows = Rows(
         start=split.start,
         count=split.count,
@@ -101,7 +123,11 @@ def _call(layer, *args, **kwargs):
         own.losses.pop(id(inner), None)
     _state.inside = True
     try:
-        with replica(call_rows), own.recording(split.count > 0):
+        with (
+            replica_rows(call_rows),
+            own.recording(split.count > 0),
+            reductions.over_rows(layer, seeds, call_rows),
+        ):
             outputs = _original["__call__"](layer, *args, **kwargs)
     finally:
         _state.inside = False

@@ -2,8 +2,8 @@
 
 For a replica's part to add up to the single-device step, what Keras decides per call is decided
 over the GLOBAL batch: a loss' divisor (row count, sum of sample weights, unmasked entries) is the
-global one, and Keras' division by the replica count is undone; BatchNormalization's statistics
-are the global batch's; a random draw is the replica's rows of one device's draw. `replica(rows)`
+global one, and Keras' division by the replica count is undone; a random draw is the replica's
+rows of one device's draw (a reduction over the rows in a layer: `reductions`). `replica(rows)`
 installs these (once) and makes them act for this thread's calls; elsewhere they are Keras' own.
 """
 
@@ -17,9 +17,9 @@ import tensorflow as tf
 from keras.src import ops
 from keras.src.backend.tensorflow import nn as keras_nn
 from keras.src.backend.tensorflow import random as keras_random
-from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.losses import loss as keras_loss
 
+from kmirror._core.keras_hooks import reductions
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["current", "replica", "install", "compute_loss"]
@@ -61,6 +61,11 @@ def _reduce_weighted_values(
     multiplies every loss by that share, which makes a mean over a replica's rows (a user's own
     `ops.mean`, a regulariser) exact too. Values are those of Keras' `reduce_weighted_values`.
     """
+    with reductions.paused():  # its sums are the replica's: the step weighs them by its share
+        return _replica_part(values, sample_weight, mask, reduction, dtype)
+
+
+def _replica_part(values, sample_weight, mask, reduction, dtype):
     rows = current()
     reduction = keras_loss.standardize_reduction(reduction)
     if rows is None or rows.whole or reduction == "none" or tuple(values.shape) == ():
@@ -115,41 +120,13 @@ def _unscale_loss_for_distribution(value):
 
 # -- BatchNormalization ----------------------------------------------------------------------------
 def _compute_moments_sync(x, axes, keepdims):
-    """Mean and variance of the global batch, computed as `tf.nn.moments` computes them on one
-    device (mean first, then the mean squared difference), with sums over every replica."""
+    """A `synchronized=True` BatchNormalization's moments, as one device computes them: its two
+    means over the rows are the whole batch's (`reductions`). Keras' own would sum them over the
+    replicas a second time."""
     rows = current()
-    if rows is None or rows.whole:
+    if rows is None or rows.whole or not rows.global_statistics:
         return _ORIGINAL["_compute_moments_sync"](x, axes, keepdims)
-    if rows.padded:  # a replica without rows computed on one row of the batch: not its own
-        x = x[: rows.count]
-    count = _global_count(x, axes, rows)
-    mean = tf.math.divide_no_nan(rows.all_sum(tf.reduce_sum(x, axis=axes, keepdims=True)), count)
-    squared = tf.math.squared_difference(x, tf.stop_gradient(mean))
-    variance = tf.math.divide_no_nan(
-        rows.all_sum(tf.reduce_sum(squared, axis=axes, keepdims=True)), count
-    )
-    if not keepdims:
-        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
-    return mean, variance
-
-
-def _global_count(x, axes, rows: Rows) -> tf.Tensor:
-    """How many entries of the global batch a reduction over `axes` takes: every replica's
-    entries have the same shape but for their rows, so no sum is needed when the rows are among
-    the axes."""
-    rank = x.shape.rank
-    axes = sorted({axis % rank for axis in axes})
-    if 0 not in axes:
-        return rows.all_sum(tf.reduce_sum(tf.ones_like(x), axis=axes, keepdims=True))
-    per_row = tf.reduce_prod(tf.gather(tf.shape(x), axes[1:])) if len(axes) > 1 else 1
-    return tf.cast(rows.total, x.dtype) * tf.cast(per_row, x.dtype)
-
-
-def _batch_norm_moments(layer, inputs, mask):
-    rows = current()
-    if rows is None or rows.whole or mask is not None or not rows.global_statistics:
-        return _ORIGINAL["_moments"](layer, inputs, mask)
-    return ops.moments(inputs, axes=layer._reduction_axes, synchronized=True)
+    return keras_nn._compute_moments(x, axes, keepdims)
 
 
 # -- random draws ----------------------------------------------------------------------------------
@@ -229,7 +206,6 @@ def install() -> None:
             (keras_loss, "scale_loss_for_distribution", _scale_loss_for_distribution),
             (keras_loss, "unscale_loss_for_distribution", _unscale_loss_for_distribution),
             (keras_nn, "_compute_moments_sync", _compute_moments_sync),
-            (BatchNormalization, "_moments", _batch_norm_moments),
             (keras_random, "dropout", _dropout),
             (keras_random, "draw_seed", _draw_seed),
         ]

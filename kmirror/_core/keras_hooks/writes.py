@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from keras.src.backend.common.variables import Variable
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
+from kmirror._core.keras_hooks import reductions
+
 __all__ = ["recording", "seed_states", "moving_statistics"]
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
@@ -24,20 +26,25 @@ _install_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def recording(into: dict) -> Iterator[None]:
-    """Within this block (on this thread) each Keras variable assigned joins `into` (by id)."""
+def recording(into: dict, alike: dict | None = None) -> Iterator[None]:
+    """Within this block (on this thread) each Keras variable assigned joins `into` (by id), and
+    `alike` too when its value is computed from a reduction made the whole batch's (every
+    replica writes it alike: `reductions.from_whole_batch`)."""
     _install()
-    previous, _state.into = getattr(_state, "into", None), into
+    previous = getattr(_state, "into", None), getattr(_state, "alike", None)
+    _state.into, _state.alike = into, alike
     try:
         yield
     finally:
-        _state.into = previous
+        _state.into, _state.alike = previous
 
 
 def _assign(self, value):
-    into = getattr(_state, "into", None)
+    into, alike = getattr(_state, "into", None), getattr(_state, "alike", None)
     if into is not None:
         into.setdefault(id(self), self)
+        if alike is not None and reductions.from_whole_batch(value):
+            alike.setdefault(id(self), self)
     return _original["assign"](self, value)
 
 

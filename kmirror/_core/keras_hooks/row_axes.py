@@ -1,0 +1,193 @@
+"""Which axes of a tensor computed in a layer call hold the rows of the call.
+
+A replica computes a layer call on its rows of the batch. A tensor of the call holds those rows
+in some of its axes: its inputs in axis 0; a `Dense` or a convolution's output in axis 0 as well;
+a transpose moves them; a reshape may merge them with other values (`(rows, T, D)` to
+`(rows*T, D)`, still in axis 0) or part them into groups over two axes (`(rows, D)` to
+`(4, rows/4, D)`, in axes 0 and 1). A statistic over the rows holds none: it is one value for
+all of them. `RowAxes.of` says which, from the traced graph: each op's rule, from where its inputs
+hold the rows. An op with no rule of its own keeps an input's row axis where its output has the
+same dimension there (unknown in both, or equal), aligned from the last axis as broadcasting
+aligns them.
+
+The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
+compute from them (a weight, a constant, a captured table) holds no rows (`None`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["RowAxes", "NONE"]
+
+#: Computed from the rows, with no axis holding them (a statistic, a shape).
+NONE: frozenset = frozenset()
+
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
+_SHAPES = {"Shape", "ShapeN", "Size", "Rank"}
+
+
+class RowAxes:
+    """Where the rows of one replica's layer call sit in the tensors the call computes."""
+
+    def __init__(self, seeds) -> None:
+        self._known: dict = {}  # a tensor's ref -> the axes holding the rows, or None
+        for seed in seeds:
+            if _symbolic(seed) and seed.shape.rank:
+                self._known[seed.ref()] = frozenset({0})
+
+    def of(self, tensor) -> frozenset | None:
+        """The axes of `tensor` holding the call's rows; `NONE` when it is computed from them
+        but holds none; None when it is not computed from them."""
+        if not _symbolic(tensor):
+            return None
+        stack = [tensor]
+        while stack:
+            top = stack[-1]
+            if top.ref() in self._known:
+                stack.pop()
+                continue
+            sources = _sources(top)
+            missing = [s for s in sources if s.ref() not in self._known]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            self._known[top.ref()] = self._rule(top, [self._known[s.ref()] for s in sources])
+        return self._known[tensor.ref()]
+
+    def _rule(self, tensor, held: list) -> frozenset | None:
+        op = tensor.op
+        if all(h is None for h in held):
+            return None
+        if op.type == "Placeholder":  # a nested function's capture of the enclosing graph
+            return held[0]
+        if op.type in _SHAPES or tensor.shape.rank is None:
+            return NONE
+        rows = held[0] if op.inputs else None
+        if op.type in _REDUCTIONS and rows is not None:
+            keepdims = op.get_attr("keep_dims")
+            return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), keepdims)
+        if op.type in ("ArgMax", "ArgMin") and rows is not None:
+            return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), False)
+        if op.type == "Reshape" and rows is not None:
+            return _reshaped(self, op, rows)
+        if op.type == "Transpose" and rows is not None:
+            perm = tf.get_static_value(op.inputs[1])
+            if perm is None:
+                return NONE
+            return frozenset(list(np.asarray(perm).reshape(-1)).index(axis) for axis in rows)
+        if op.type == "ExpandDims" and rows is not None:
+            axis = int(tf.get_static_value(op.inputs[1])) % tensor.shape.rank
+            return frozenset(a + 1 if a >= axis else a for a in rows)
+        if op.type == "Squeeze" and rows is not None:
+            rank = op.inputs[0].shape.rank
+            dims = {d % rank for d in op.get_attr("squeeze_dims")} if rank is not None else set()
+            if not dims or rows & dims:
+                return NONE
+            return frozenset(a - sum(d < a for d in dims) for a in rows)
+        return _kept(tensor, op.inputs, held)
+
+
+def reduced_axes(axes, tensor) -> set | None:
+    """The axes (non-negative) a reduction of `tensor` over `axes` takes, if known."""
+    rank = tensor.shape.rank
+    value = tf.get_static_value(axes)
+    if value is None or rank is None:
+        return None
+    return {int(a) % rank for a in np.asarray(value).reshape(-1)}
+
+
+def _reduced(rows: frozenset, axes: set | None, keepdims: bool) -> frozenset:
+    if axes is None or rows & axes:
+        return NONE  # one value over the rows (made the whole batch's where it is a sum)
+    if keepdims:
+        return rows
+    return frozenset(a - sum(r < a for r in axes) for a in rows)
+
+
+def _reshaped(axes: RowAxes, op, rows: frozenset) -> frozenset:
+    """Where a reshape of a tensor holding its rows in axis 0 puts them: in axis 0 when each
+    row's values stay together (the first dimension asked is the rows' count, or -1 with a row's
+    size a multiple of the rest); else over the first axes whose sizes, multiplied, cover them."""
+    source, target = op.inputs[0], op.outputs[0]
+    if rows != {0} or target.shape.rank is None or target.shape.rank == 0:
+        return NONE
+    first = _first_asked(op.inputs[1])
+    if tf.is_tensor(first) and _is_row_count(first, axes):
+        return frozenset({0})
+    per_row = _size(source.shape[1:])
+    dims = list(target.shape)
+    if per_row is None:
+        return frozenset({0}) if first == -1 else frozenset({0, 1} & set(range(len(dims))))
+    for last in range(len(dims)):
+        rest = _size(dims[last + 1 :])
+        if rest is not None and per_row % rest == 0:
+            return frozenset(range(last + 1))
+    return frozenset({0})
+
+
+def _first_asked(shape):
+    """The first dimension a reshape asks for: an int, a tensor, or None when not known."""
+    value = tf.get_static_value(shape)
+    if value is not None and np.size(value):
+        return int(np.asarray(value).reshape(-1)[0])
+    if hasattr(shape, "op") and shape.op.type == "Pack":
+        first = shape.op.inputs[0]
+        static = tf.get_static_value(first)
+        return int(static) if static is not None else first
+    return None
+
+
+def _is_row_count(tensor, axes: RowAxes) -> bool:
+    """Whether `tensor` is `tf.shape(x)[0]` of a tensor holding the rows in axis 0."""
+    op = tensor.op
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+        return False
+    begin = tf.get_static_value(op.inputs[1])
+    shaped = op.inputs[0].op.inputs[0]
+    first = None if begin is None else int(np.asarray(begin).reshape(-1)[0])
+    return first == 0 and axes.of(shaped) == {0}
+
+
+def _kept(tensor, inputs, held: list) -> frozenset:
+    """An input's row axes where the output has the same dimension there (aligned from the last
+    axis, as broadcasting aligns them); `NONE` where no input's rows are kept."""
+    out = tensor.shape
+    for source, rows in zip(inputs, held):
+        if not rows or source.shape.rank is None:
+            continue
+        shift = out.rank - source.shape.rank
+        moved = {a + shift for a in rows}
+        if all(0 <= m < out.rank and _same(out[m], source.shape[a]) for a, m in zip(rows, moved)):
+            return frozenset(moved)
+    return NONE
+
+
+def _same(a, b) -> bool:
+    return a == b if a is not None and b is not None else a is None and b is None
+
+
+def _size(dims) -> int | None:
+    if any(d is None for d in dims):
+        return None
+    return math.prod(dims)
+
+
+def _sources(tensor) -> list:
+    """The tensors `tensor` is computed from: its op's inputs, or for a placeholder of a nested
+    function (a branch of a condition), the tensor of the enclosing graph it captures."""
+    op = tensor.op
+    if op.type == "Placeholder":
+        for external, internal in getattr(op.graph, "captures", ()):
+            if internal is tensor and _symbolic(external):
+                return [external]
+        return []
+    return list(op.inputs)
+
+
+def _symbolic(tensor) -> bool:
+    return tf.is_tensor(tensor) and hasattr(tensor, "op") and not tf.executing_eagerly()

@@ -1,0 +1,98 @@
+"""Programs whose layers reduce over the rows of their call: each builder returns a compiled model
+in float64, seeded (tests/features.py lists them in the exactness matrix).
+
+The layers, each computing from the whole batch of its call on one device:
+
+- `BatchContext`: the batch's mean row, concatenated to each row;
+- `BatchSpread`: the batch's standard deviation, averaged over the features, as one more feature
+  of every row (a GAN discriminator's minibatch standard deviation, over the whole batch);
+- `BatchStandardized`: a normalisation by the batch's moments (`tf.nn.moments` over axis 0),
+  which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows).
+
+`compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
+reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
+the added loss through `model.losses`. The dense layers before a normalisation have no bias: the
+normalisation removes it, which leaves its gradient the rounding of a sum, and Adam's step turns
+any such value into a step of the learning rate's size, on one device as well.
+"""
+
+import keras
+import tensorflow as tf
+from global_steps import FLOATX, WIDTH
+from keras import layers as L
+from keras import ops
+from real_models import precision
+
+
+def _built(build):
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        return build()
+
+
+class BatchContext(L.Layer):
+    def call(self, x):
+        mean = ops.mean(x, axis=0, keepdims=True)
+        return ops.concatenate([x, ops.broadcast_to(mean, ops.shape(x))], axis=-1)
+
+
+class BatchSpread(L.Layer):
+    def call(self, x):
+        spread = ops.mean(tf.math.reduce_std(x, axis=0))
+        return ops.concatenate([x, ops.ones_like(x[:, :1]) * spread], axis=-1)
+
+
+class BatchStandardized(L.Layer):
+    def call(self, x):
+        mean, variance = tf.nn.moments(x, axes=[0])
+        self.add_loss(0.01 * tf.reduce_mean(tf.square(x)))
+        return (x - mean) / tf.sqrt(variance + 1e-3)
+
+
+def _network() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((WIDTH,)),
+            L.Dense(8, use_bias=False),
+            BatchStandardized(),
+            L.Activation("tanh"),
+            BatchContext(),
+            L.Dense(6, "tanh"),
+            BatchSpread(),
+            L.Dense(2),
+        ]
+    )
+
+
+def compiled_batch_statistics() -> keras.Model:
+    def build():
+        model = _network()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        return model
+
+    return _built(build)
+
+
+class OwnStep(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.network = _network()
+
+    def train_step(self, data):
+        x, y = data
+        weights = self.network.trainable_variables
+        with tf.GradientTape() as tape:
+            error = ops.mean(ops.square(self.network(x, training=True) - y))
+            added = ops.sum(self.network.losses)
+            loss = error + added
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return {"loss": loss, "added": added}
+
+
+def own_step_batch_statistics() -> keras.Model:
+    def build():
+        model = OwnStep()
+        model.compile(optimizer=keras.optimizers.Adam(0.01))
+        return model
+
+    return _built(build)
