@@ -1,12 +1,14 @@
 """A reduction over the rows of a layer call that kmirror cannot make the whole batch's is refused
 at the first step, naming the layer and the operation, in kmirror's step and in a model's own
-step, and leaves the model's weights as they were. (The reductions it makes the whole batch's are
-in the exactness matrix: tests/batch_steps.py.)"""
+step, and leaves the model's weights as they were. The reductions it makes the whole batch's are
+in the exactness matrix (tests/batch_steps.py); `predict` reduces over the whole batch too."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from batch_steps import compiled_batch_statistics
+from global_steps import labelled
 from keras import layers as L
 from keras import ops
 from models import Weights, max_weight_difference
@@ -87,3 +89,15 @@ def test_a_reduction_over_the_rows_that_is_not_a_sum_is_refused(name, own_step):
         wrapped.fit(x, y, batch_size=36, epochs=1, verbose=0)
     assert "layer 'coupled'" in str(raised.value)
     assert max_weight_difference(model, before) == 0.0
+
+
+def test_predict_reduces_over_the_whole_batch():
+    """`predict` of layers reducing over the rows of their call (tests/batch_steps.py): each
+    batch's statistics are the whole batch's, with a batch of 2 rows on 3 replicas too."""
+    x, _, _ = labelled()
+    reference = compiled_batch_statistics()
+    wrapped = kmirror.wrap(compiled_batch_statistics(), devices=["/cpu:0", "/cpu:1", "/cpu:2"])
+    for batch_size in (33, 2):
+        expected = reference.predict(x, batch_size=batch_size, verbose=0)
+        predicted = wrapped.predict(x, batch_size=batch_size, verbose=0)
+        np.testing.assert_allclose(predicted, expected, rtol=0, atol=1e-12)

@@ -218,11 +218,13 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     state = _layer_state(model, reducer, global_statistics=False)
 
     def local_step(local):
-        count = batch_size(local[0])
+        x, start, total = local
+        # A layer's reduction over the rows of its call is the whole batch's here too.
+        rows = _rows(reducer, x, start, total, global_statistics=True)
         before = state.before()
-        with state.recording(count > 0):
-            y_pred = _call(model, one_row_at_least(local[0], count), training=False)
-        return after(state.combine(before), own_rows(y_pred, count))
+        with keras_hooks.replica(rows), state.recording(rows.count > 0):
+            y_pred = _call(model, one_row_at_least(x, rows.count), training=False)
+        return after(state.combine(before), own_rows(y_pred, rows.count))
 
     return reducer.concat(reducer.run(local_step, args=(shards,)))
 
