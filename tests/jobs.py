@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
+JOB_NICENESS = 10
 
 
 def run(command: list[str], timeout: float, env=None) -> subprocess.CompletedProcess:
@@ -26,6 +27,10 @@ def run(command: list[str], timeout: float, env=None) -> subprocess.CompletedPro
         env={**os.environ, **(env or {})},
         start_new_session=True,
     )
+    # Below the test processes' priority (every process it starts inherits it): a job runs beside
+    # the other test process, whose replicas hand their thread over to each other at every
+    # collective and would otherwise wait for a core behind the job's processes at each handover.
+    os.setpriority(os.PRIO_PGRP, job.pid, JOB_NICENESS)
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

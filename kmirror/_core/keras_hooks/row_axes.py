@@ -7,8 +7,8 @@ a transpose moves them; a reshape may merge them with other values (`(rows, T, D
 `(4, rows/4, D)`, in axes 0 and 1). A statistic over the rows holds none: it is one value for
 all of them. `RowAxes.of` says which, from the traced graph: each op's rule, from where its inputs
 hold the rows. An op with no rule of its own keeps an input's row axis where its output has the
-same dimension there (unknown in both, or equal), aligned from the last axis as broadcasting
-aligns them.
+same dimension there (unknown in both, or equal): at the same axis, else aligned from the last
+axis as broadcasting aligns them.
 
 The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
 compute from them (a weight, a constant, a captured table) holds no rows (`None`).
@@ -154,16 +154,19 @@ def _is_row_count(tensor, axes: RowAxes) -> bool:
 
 
 def _kept(tensor, inputs, held: list) -> frozenset:
-    """An input's row axes where the output has the same dimension there (aligned from the last
-    axis, as broadcasting aligns them); `NONE` where no input's rows are kept."""
+    """An input's row axes where the output has the same dimension there: at the same axes
+    (a matmul, a convolution, a lookup by the rows' indices), else aligned from the last axis,
+    as broadcasting aligns them; `NONE` where no input's rows are kept."""
     out = tensor.shape
     for source, rows in zip(inputs, held):
         if not rows or source.shape.rank is None:
             continue
-        shift = out.rank - source.shape.rank
-        moved = {a + shift for a in rows}
-        if all(0 <= m < out.rank and _same(out[m], source.shape[a]) for a, m in zip(rows, moved)):
-            return frozenset(moved)
+        for shift in dict.fromkeys((0, out.rank - source.shape.rank)):
+            moved = [a + shift for a in rows]
+            if all(
+                0 <= m < out.rank and _same(out[m], source.shape[a]) for a, m in zip(rows, moved)
+            ):
+                return frozenset(moved)
     return NONE
 
 
