@@ -81,7 +81,10 @@ class RowAxes:
                 return NONE
             return frozenset(list(np.asarray(perm).reshape(-1)).index(axis) for axis in rows)
         if op.type == "ExpandDims" and rows is not None:
-            axis = int(tf.get_static_value(op.inputs[1])) % tensor.shape.rank
+            axis = tf.get_static_value(op.inputs[1])
+            if axis is None:
+                return NONE
+            axis = int(np.asarray(axis).reshape(-1)[0]) % tensor.shape.rank
             return frozenset(a + 1 if a >= axis else a for a in rows)
         if op.type == "Squeeze" and rows is not None:
             rank = op.inputs[0].shape.rank

@@ -1,0 +1,45 @@
+"""Where the rows of a layer call sit in the tensors it computes (`keras_hooks.row_axes`), on a
+traced graph whose rows are as many as a lookup's tokens (8): the axis a rule keeps is the one
+the op keeps, not a dimension of the same size."""
+
+import tensorflow as tf
+
+from kmirror._core.keras_hooks.row_axes import NONE, RowAxes
+
+
+def test_the_axes_holding_the_rows():
+    found = {}
+
+    @tf.function
+    def trace(x, tokens):
+        axes = RowAxes([x, tokens])
+        looked_up = tf.gather(tf.ones((50, 4)), tokens)  # (rows, tokens, features)
+        centred = x - tf.reduce_mean(x, axis=0)
+        cases = {
+            "lookup": looked_up,
+            "pooled over the tokens": tf.reduce_mean(looked_up, axis=1),
+            "tokens flattened into the rows": tf.reshape(looked_up, [-1, 4]),
+            "transposed": tf.transpose(x),
+            "groups of 4 rows": tf.reshape(x, [4, -1, 6]),
+            "rows kept by their count": tf.reshape(x, [tf.shape(x)[0], 3, 2]),
+            "a statistic": tf.reduce_mean(x, axis=0),
+            "centred": centred,
+            "expanded": tf.expand_dims(x, 1),
+            "held by the model": tf.ones((8, 6)),
+        }
+        found.update({name: axes.of(tensor) for name, tensor in cases.items()})
+        return x
+
+    trace.get_concrete_function(tf.TensorSpec((8, 6)), tf.TensorSpec((8, 8), tf.int32))
+    assert found == {
+        "lookup": {0},
+        "pooled over the tokens": {0},
+        "tokens flattened into the rows": {0},
+        "transposed": {1},
+        "groups of 4 rows": {0, 1},
+        "rows kept by their count": {0},
+        "a statistic": NONE,
+        "centred": {0},
+        "expanded": {0},
+        "held by the model": None,
+    }
