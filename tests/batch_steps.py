@@ -7,9 +7,7 @@ The layers, each computing from the whole batch of its call on one device:
 - `BatchSpread`: the batch's standard deviation, averaged over the features, as one more feature
   of every row (a GAN discriminator's minibatch standard deviation, over the whole batch);
 - `BatchStandardized`: a normalisation by the batch's moments (`tf.nn.moments` over axis 0),
-  which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows);
-- `BatchCovariance`: each row times the batch's covariance (sums over the rows inside a matrix
-  product and an einsum).
+  which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows).
 
 `compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
 reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
@@ -51,18 +49,6 @@ class BatchStandardized(L.Layer):
         return (x - mean) / tf.sqrt(variance + 1e-3)
 
 
-class BatchCovariance(L.Layer):
-    """Each row times a scaled Gram matrix of the centred batch (`tf.matmul(c, c,
-    transpose_a=True)`) and a cross term (`einsum("bi,bj->ij")`): sums over the rows inside a
-    product."""
-
-    def call(self, x):
-        centred = x - ops.mean(x, axis=0)
-        gram = tf.matmul(centred, centred, transpose_a=True)
-        cross = tf.einsum("bi,bj->ij", centred, x)
-        return ops.matmul(x, 0.02 * gram + 0.002 * cross)
-
-
 def _network() -> keras.Model:
     return keras.Sequential(
         [
@@ -70,7 +56,6 @@ def _network() -> keras.Model:
             L.Dense(8, use_bias=False),
             BatchStandardized(),
             L.Activation("tanh"),
-            BatchCovariance(),
             BatchContext(),
             L.Dense(6, "tanh"),
             BatchSpread(),

@@ -36,16 +36,7 @@ class Ranked(L.Layer):
         return ops.sort(x, axis=0)
 
 
-class Paired(L.Layer):
-    """Attention of each row over every row of the batch: a product pairing the rows."""
-
-    def call(self, x):
-        weights = ops.softmax(ops.matmul(x, ops.transpose(x)), axis=-1)
-        return ops.matmul(weights, x)
-
-
 REFUSED = {
-    "Paired": (Paired, "a product that pairs the rows of its call with each other"),
     "GroupedSpread": (GroupedSpread, "a mean over some of the axes that hold the rows"),
     "Largest": (Largest, "a maximum over the rows of its call"),
     "Ranked": (Ranked, "a top-k or a sort over the rows of its call"),

@@ -17,9 +17,9 @@ TensorFlow has no public API for these things kmirror needs:
 - a mirrored variable read as a number (`read_as_numbers`): TensorFlow's distributed variables,
   which hold a mirrored Keras variable's value, lack the `int()`, `float()` and `complex()` a
   `tf.Variable` has;
-- the functions every reduction and product of TensorFlow, Keras and NumPy-like code ends in
-  (`reduction_functions`: `gen_math_ops.mean`, `_sum`, `mat_mul`, ...), which kmirror replaces so
-  that a sum over the rows of a layer call is the whole batch's (`keras_hooks.reductions`);
+- the functions every reduction of TensorFlow, Keras and NumPy-like code ends in
+  (`reduction_functions`: `gen_math_ops.mean`, `_sum`, ...), which kmirror replaces so that a
+  reduction over the rows of a layer call is the whole batch's (`keras_hooks.reductions`);
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
 
@@ -44,7 +44,7 @@ from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
 from tensorflow.python.eager import context  # noqa: E402
-from tensorflow.python.ops import gen_linalg_ops, gen_math_ops, gen_nn_ops  # noqa: E402
+from tensorflow.python.ops import gen_math_ops, gen_nn_ops  # noqa: E402
 
 __all__ = [
     "GroupedAllReduce",
@@ -178,8 +178,7 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
 def reduction_functions() -> list[tuple[object, str, str]]:
     """(module, function, op type) of the functions TensorFlow's reductions call to make their
     op: `tf.reduce_mean`, `tf.math.reduce_variance`, `tf.nn.moments`, Keras' `ops.mean`,
-    `ops.var` and the rest all end in one of these, looked up on the module when called; and
-    those of the products (`tf.matmul`, `tf.einsum`, Keras' `ops.matmul`, `ops.einsum`)."""
+    `ops.var` and the rest all end in one of these, looked up on the module when called."""
     return [
         (gen_math_ops, "_sum", "Sum"),
         (gen_math_ops, "mean", "Mean"),
@@ -192,11 +191,6 @@ def reduction_functions() -> list[tuple[object, str, str]]:
         (gen_math_ops, "cumsum", "Cumsum"),
         (gen_math_ops, "cumprod", "Cumprod"),
         (gen_nn_ops, "top_kv2", "TopKV2"),
-        # Products, which sum over the axes they contract.
-        (gen_math_ops, "mat_mul", "MatMul"),
-        (gen_math_ops, "batch_mat_mul_v2", "BatchMatMulV2"),
-        (gen_math_ops, "batch_mat_mul_v3", "BatchMatMulV3"),
-        (gen_linalg_ops, "einsum", "Einsum"),
     ]
 
 

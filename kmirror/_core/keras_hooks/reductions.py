@@ -14,9 +14,6 @@ once. While a call runs on a replica's rows they ask where the reduced tensor ho
   statistics (`tf.nn.moments`, two means) are one case of it;
 - a sum or a mean over some of the axes holding the rows but not all (rows regrouped: groups of
   4 rows, each group's statistic) depends on which rows a replica holds: refused, naming the layer;
-- a matrix product or an einsum contracting the rows of both its operands (`x^T y`, a Gram
-  matrix of the batch) sums over them: made the whole batch's the same way; one pairing the rows
-  with each other (`x @ x^T`, attention over the batch) is refused;
 - the other reductions over the rows (max, min, product, norm, arg-max, cumulative sums, top-k
   and sorts) are not sums: refused, naming the layer and the operation.
 
@@ -39,7 +36,6 @@ import tensorflow as tf
 
 from kmirror._core import tf_hooks
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
-from kmirror._core.keras_hooks.row_ops import PRODUCTS, contracted, refusal
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["over_rows", "within", "active", "paused", "from_whole_batch", "install"]
@@ -128,8 +124,6 @@ def _current() -> _Call | None:
 def _replacement(original: Callable, op_type: str) -> Callable:
     signature = inspect.signature(original)
     names = list(signature.parameters)
-    if op_type in PRODUCTS:
-        return _product(original, op_type, signature)
 
     def reduction(*args, **kwargs):
         call = _current()
@@ -151,43 +145,10 @@ def _replacement(original: Callable, op_type: str) -> Callable:
             value = _whole_batch(op_type, tensor, sorted(axes), keepdims, call.rows)
             call.whole[value.op] = True
             return value
-        raise ValueError(refusal(call.layers[-1], op_type, held, axes))
+        raise ValueError(_refusal(call, op_type, held, axes))
 
     reduction.__name__ = original.__name__
     return reduction
-
-
-def _product(original: Callable, op_type: str, signature) -> Callable:
-    """A matrix product or an einsum: one that contracts the rows of its operands (`x^T y`, a
-    Gram matrix of the batch, `einsum("bi,bj->ij")`) sums over them, made the whole batch's."""
-
-    def product(*args, **kwargs):
-        call = _current()
-        if call is None:
-            return original(*args, **kwargs)
-        given = signature.bind(*args, **kwargs).arguments
-        operands, contracting, paired = contracted(op_type, given)
-        held = [call.axes.of(t) for t in operands]
-        if sum(bool(h and p is not None and h & p) for h, p in zip(held, paired)) > 1:
-            raise ValueError(refusal(call.layers[-1], "pairs", held, None))
-        summed = [bool(h and c is not None and h & c) for h, c in zip(held, contracting)]
-        if not any(summed):
-            return original(*args, **kwargs)
-        aligned = all(ok and h <= c for ok, h, c in zip(summed, held, contracting) if h is not None)
-        if not aligned or None in contracting:
-            raise ValueError(refusal(call.layers[-1], op_type, held[summed.index(True)], None))
-        with paused():
-            value = original(*args, **kwargs)
-            if call.rows.padded:  # a replica without rows computed on a row not its own
-                has_rows = tf.cast(call.rows.count > 0, value.dtype)
-                value = tf.math.multiply_no_nan(value, has_rows)
-            total = call.rows.all_sum(value)
-            total.set_shape(value.shape)
-        call.whole[total.op] = True
-        return total
-
-    product.__name__ = original.__name__
-    return product
 
 
 def _whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows):
@@ -215,6 +176,43 @@ def _whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows):
 
 def _without(shape, axes: list):
     return [d for i, d in enumerate(shape) if i not in axes]
+
+
+_NAMES = {
+    "Sum": "a sum",
+    "Mean": "a mean",
+    "Max": "a maximum",
+    "Min": "a minimum",
+    "Prod": "a product",
+    "EuclideanNorm": "a norm",
+    "ArgMax": "an arg-max",
+    "ArgMin": "an arg-min",
+    "Cumsum": "a cumulative sum",
+    "Cumprod": "a cumulative product",
+    "TopKV2": "a top-k or a sort",
+}
+
+
+def _refusal(call: _Call, op_type: str, held, axes) -> str:
+    layer = call.layers[-1]
+    where = f"layer '{layer.name}' ({type(layer).__name__})"
+    if op_type in ("Sum", "Mean"):
+        return (
+            f"kmirror: {where} takes {_NAMES[op_type]} over some of the axes that hold the rows "
+            f"of its call (axes {sorted(axes)} of a tensor holding them in axes {sorted(held)}: "
+            "the rows regrouped, as groups of rows each with its own statistic). Which rows a "
+            "group holds depends on which rows each replica holds, so no replica can compute "
+            "one device's value. Reduce over all the rows (a statistic of the whole batch), or "
+            "over axes that do not hold them."
+        )
+    return (
+        f"kmirror: {where} takes {_NAMES[op_type]} over the rows of its call (axes "
+        f"{sorted(axes) if axes is not None else 'unknown'} of a tensor holding them in axes "
+        f"{sorted(held)}). Each replica holds only its rows of the batch, and kmirror makes "
+        "only sums and means over the rows the whole batch's, so the replicas would not compute "
+        "one device's value. Write it with sums or means over the rows, or compute it in the "
+        "model's own train_step outside the layer's call, on the whole batch."
+    )
 
 
 _ORIGINAL: dict = {}
