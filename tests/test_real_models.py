@@ -3,8 +3,6 @@ they are; deep models train 2 epochs as on one device (float64: tests/real_model
 the keras.io transfer-learning flow trains as on one device. The multi-process reducers run a deep
 model and the flow in tests/test_horovod.py and tests/test_multi_worker.py."""
 
-import gc
-
 import keras
 import numpy as np
 import pytest
@@ -65,8 +63,7 @@ def cleared_after():
     test the process runs after it (21 features: 45-47 s after DenseNet121, 40-41 s before it or
     after `clear_session`)."""
     yield
-    keras.backend.clear_session()
-    gc.collect()
+    keras.backend.clear_session()  # and a garbage collection
 
 
 @pytest.mark.usefixtures("cleared_after")
