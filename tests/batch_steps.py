@@ -6,6 +6,8 @@ The layers, each computing from the whole batch of its call on one device:
 - `BatchContext`: the batch's mean row, concatenated to each row;
 - `BatchSpread`: the batch's standard deviation, averaged over the features, as one more feature
   of every row (a GAN discriminator's minibatch standard deviation, over the whole batch);
+- `GroupedSpread`: the standard deviation over groups of rows, as a feature of each row of
+  the group (kmirror runs its call whole: its groups hold rows of several replicas);
 - `BatchStandardized`: a normalisation by the batch's moments (`tf.nn.moments` over axis 0),
   which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows).
 
@@ -42,6 +44,19 @@ class BatchSpread(L.Layer):
         return ops.concatenate([x, ops.ones_like(x[:, :1]) * spread], axis=-1)
 
 
+class GroupedSpread(L.Layer):
+    """Groups of 3 rows, or 2, or 1, whichever divides the batch first, as progressive GANs
+    write a minibatch standard deviation (a reshape to (group, rows / group, features)). A
+    statistic of rows of other replicas: kmirror runs this call on the whole batch."""
+
+    def call(self, x):
+        rows = ops.shape(x)[0]
+        group = ops.where(rows % 3 == 0, 3, ops.where(rows % 2 == 0, 2, 1))
+        groups = ops.reshape(x, [group, -1, x.shape[-1]])
+        spread = ops.mean(ops.std(groups, axis=0), axis=-1, keepdims=True)
+        return ops.concatenate([x, ops.tile(spread, [group, 1])], axis=-1)
+
+
 class BatchStandardized(L.Layer):
     def call(self, x):
         mean, variance = tf.nn.moments(x, axes=[0])
@@ -56,6 +71,7 @@ def _network() -> keras.Model:
             L.Dense(8, use_bias=False),
             BatchStandardized(),
             L.Activation("tanh"),
+            GroupedSpread(),
             BatchContext(),
             L.Dense(6, "tanh"),
             BatchSpread(),

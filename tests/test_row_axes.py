@@ -25,6 +25,9 @@ def test_the_axes_holding_the_rows():
             "a statistic": tf.reduce_mean(x, axis=0),
             "centred": centred,
             "expanded": tf.expand_dims(x, 1),
+            "some of the rows": x[2:5],
+            "the rows padded": tf.pad(x, [[3, 4], [0, 0]]),
+            "one row": x[0],
             "held by the model": tf.ones((8, 6)),
         }
         found.update({name: axes.of(tensor) for name, tensor in cases.items()})
@@ -41,5 +44,8 @@ def test_the_axes_holding_the_rows():
         "a statistic": NONE,
         "centred": {0},
         "expanded": {0},
+        "some of the rows": {0},
+        "the rows padded": {0},
+        "one row": NONE,
         "held by the model": None,
     }

@@ -29,7 +29,7 @@ from keras.src import backend
 from keras.src.layers.layer import Layer
 
 from kmirror._core.global_batch import Split
-from kmirror._core.keras_hooks import call_state, reductions
+from kmirror._core.keras_hooks import call_state, reductions, whole_calls
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step
 from kmirror._core.keras_hooks.own_thread import state as _state
 from kmirror._core.keras_hooks.replica import current
@@ -69,7 +69,7 @@ def _call(layer, *args, **kwargs):
     own = current_step()
     if reductions.active():  # inside a call on the replica's rows
         with reductions.within(layer):
-            return _original["__call__"](layer, *args, **kwargs)
+            return _on_rows(layer, args, kwargs)
     if own is None or _state.inside:
         rows = current()
         if own is not None or rows is None or rows.whole:
@@ -78,7 +78,7 @@ def _call(layer, *args, **kwargs):
         seeds = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
         call_state.begin_compiled_call()
         with reductions.over_rows(layer, seeds, rows):
-            return _original["__call__"](layer, *args, **kwargs)
+            return _on_rows(layer, args, kwargs)
     batched = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
     known = [own.provenance.of_batch(t) for t in batched]
     if None in known:  # in eager mode: the call's rows are its first input's
@@ -128,12 +128,26 @@ def _call(layer, *args, **kwargs):
             own.recording(split.count > 0),
             reductions.over_rows(layer, seeds, call_rows),
         ):
-            outputs = _original["__call__"](layer, *args, **kwargs)
+            outputs = _on_rows(layer, args, kwargs)
     finally:
         _state.inside = False
     call_state.combine_losses(own, call_rows)
     call_state.join_attributes(own, lambda value: _joined(value, split, own))
     return tf.nest.map_structure(lambda output: _joined(output, split, own), outputs)
+
+
+def _on_rows(layer, args, kwargs):
+    """`layer`'s call on the replica's rows; run again on the whole batch where a reduction in
+    it over the rows is not a sum (`whole_calls`)."""
+    try:
+        return _original["__call__"](layer, *args, **kwargs)
+    except Exception:
+        reason = reductions.whole_asked(layer)
+        if reason is None:
+            raise
+    return whole_calls.run(
+        layer, args, kwargs, lambda a, k: _original["__call__"](layer, *a, **k), reason
+    )
 
 
 def _whole(own: OwnStep, layer, args, kwargs):

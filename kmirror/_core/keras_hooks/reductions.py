@@ -13,9 +13,9 @@ once. While a call runs on a replica's rows they ask where the reduced tensor ho
   replica's rows get the gradient of every replica's use of the value. BatchNormalization's
   statistics (`tf.nn.moments`, two means) are one case of it;
 - a sum or a mean over some of the axes holding the rows but not all (rows regrouped: groups of
-  4 rows, each group's statistic) depends on which rows a replica holds: refused, naming the layer;
-- the other reductions over the rows (max, min, product, norm, arg-max, cumulative sums, top-k
-  and sorts) are not sums: refused, naming the layer and the operation.
+  4 rows, each group's statistic) depends on which rows a replica holds, and the other
+  reductions over the rows (max, min, product, norm, arg-max, cumulative sums, top-k and sorts)
+  are not sums: the layer's call runs again, on the whole batch (`RunWhole`, `whole_calls`).
 
 Anything else (a reduction over other axes, over a weight, over data the model holds) is Keras'
 own. Outside such a call, and while kmirror computes its own values (a loss' normaliser, the
@@ -35,10 +35,18 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from kmirror._core import tf_hooks
+from kmirror._core.keras_hooks import batch_sums
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 
-__all__ = ["over_rows", "within", "active", "paused", "from_whole_batch", "install"]
+__all__ = ["over_rows", "within", "active", "paused", "outside", "from_whole_batch", "install"]
+__all__ += ["RunWhole", "whole_asked", "rows", "held"]
+
+
+class RunWhole(Exception):  # noqa: N818 (not an error: the call runs again, whole)
+    """Raised by a reduction over the rows that is not a sum: the innermost layer's call runs
+    again on the whole batch (`whole_calls`). Keras may raise it again as another exception
+    with its own message on the way out: `whole_asked` says which layer asked, and why."""
 
 
 @dataclass
@@ -48,6 +56,8 @@ class _Call:
     layers: list = field(default_factory=list)  # the calls running, outermost first
     #: The ops computing the whole batch's reductions, and which ops are computed from them.
     whole: dict = field(default_factory=dict)
+    #: (layer, the reduction's description): a call asked to run on the whole batch.
+    asked: tuple | None = None
 
 
 _state = threading.local()  # `call`: the replica's call on its rows; `paused`
@@ -91,6 +101,36 @@ def paused() -> Iterator[None]:
         yield
     finally:
         _state.paused = previous
+
+
+@contextlib.contextmanager
+def outside() -> Iterator[None]:
+    """Within this block no call runs on the replica's rows: a layer call run on the whole
+    batch (`whole_calls`), whose reductions are TensorFlow's own."""
+    previous, _state.call = getattr(_state, "call", None), None
+    try:
+        yield
+    finally:
+        _state.call = previous
+
+
+def whole_asked(layer) -> str | None:
+    """The reduction's description if `layer`'s call asked to run on the whole batch (once)."""
+    call = getattr(_state, "call", None)
+    if call is None or call.asked is None or call.asked[0] is not layer:
+        return None
+    reason, call.asked = call.asked[1], None
+    return reason
+
+
+def rows() -> Rows:
+    """The replica's rows of the call running."""
+    return _state.call.rows
+
+
+def held(tensor) -> frozenset | None:
+    """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`)."""
+    return _state.call.axes.of(tensor)
 
 
 def from_whole_batch(value) -> bool:
@@ -140,74 +180,22 @@ def _replacement(original: Callable, op_type: str) -> Callable:
             axes = reduced_axes(given[names[1]], tensor)
         if axes is not None and not held & axes:
             return original(*args, **kwargs)
-        if op_type in ("Sum", "Mean") and axes is not None and held <= axes:
+        if op_type in _SUMS and axes is not None and held <= axes:
             keepdims = bool(given.get("keep_dims", False))
-            value = _whole_batch(op_type, tensor, sorted(axes), keepdims, call.rows)
+            with paused():
+                value = batch_sums.whole_batch(
+                    op_type, tensor, sorted(axes), keepdims, call.rows, _ORIGINAL["_sum"]
+                )
             call.whole[value.op] = True
             return value
-        raise ValueError(_refusal(call, op_type, held, axes))
+        call.asked = (call.layers[-1], _refusal(call, op_type, held, axes))
+        raise RunWhole(call.asked[1])
 
     reduction.__name__ = original.__name__
     return reduction
 
 
-def _whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows):
-    """The sum (or mean) over `axes` of the whole batch's `tensor`, from this replica's rows.
-
-    One packed sum over the replicas (the replica's sum, and its count for a mean) going forward;
-    going backward, the sum over the replicas of the value's gradient, spread over the replica's
-    rows. Written as one custom gradient: TensorFlow's own gradients of the packing would add
-    tens of ops per reduction, hundreds of reductions in a deep model's step."""
-    with paused():
-        tensor = tf.convert_to_tensor(tensor)
-        dtype = tensor.dtype
-        work = tensor if dtype.is_floating or dtype.is_complex else tf.cast(tensor, tf.float64)
-        local = _ORIGINAL["_sum"](work, axes, keep_dims=True)
-        kept = _static_or_dynamic(local)
-        final = _without(local.shape, axes) if not keepdims else local.shape.as_list()
-        if None in final:  # reshaped as the replica's sum is, then squeezed
-            final = None
-        packed = tf.reshape(local, [-1])
-        if op_type == "Mean":
-            count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(work), axes)), work.dtype)
-            packed = tf.concat([packed, [count]], 0)
-        if rows.padded:  # a replica without rows computed on a row not its own
-            has_rows = tf.cast(rows.count > 0, work.dtype)
-            packed = tf.math.multiply_no_nan(packed, has_rows)
-        total = rows.all_sum(packed)  # its gradient is `whole`'s, not the sum's
-
-        @tf.custom_gradient
-        def whole(work, total):
-            value = total[:-1] / total[-1] if op_type == "Mean" else total
-            value = tf.reshape(value, kept if final is None else final)
-
-            def gradient(upstream):
-                spread = tf.reshape(rows.all_sum(upstream), kept)
-                if op_type == "Mean":
-                    spread = spread / total[-1]
-                spread = tf.broadcast_to(spread, tf.shape(work))
-                if rows.padded:
-                    spread = tf.math.multiply_no_nan(spread, has_rows)
-                return spread, None
-
-            return value, gradient
-
-        value = whole(work, total)
-        if final is None and not keepdims:
-            value = tf.squeeze(value, axes)
-        value.set_shape(local.shape if keepdims else _without(local.shape, axes))
-        return tf.cast(value, dtype)
-
-
-def _static_or_dynamic(tensor):
-    """`tensor`'s shape: a list of ints where it is known, else the tensor of it."""
-    return tensor.shape.as_list() if tensor.shape.is_fully_defined() else tf.shape(tensor)
-
-
-def _without(shape, axes: list):
-    return [d for i, d in enumerate(shape) if i not in axes]
-
-
+_SUMS = ("Sum", "Mean")
 _NAMES = {
     "Sum": "a sum",
     "Mean": "a mean",
@@ -225,23 +213,12 @@ _NAMES = {
 
 def _refusal(call: _Call, op_type: str, held, axes) -> str:
     layer = call.layers[-1]
-    where = f"layer '{layer.name}' ({type(layer).__name__})"
-    if op_type in ("Sum", "Mean"):
-        return (
-            f"kmirror: {where} takes {_NAMES[op_type]} over some of the axes that hold the rows "
-            f"of its call (axes {sorted(axes)} of a tensor holding them in axes {sorted(held)}: "
-            "the rows regrouped, as groups of rows each with its own statistic). Which rows a "
-            "group holds depends on which rows each replica holds, so no replica can compute "
-            "one device's value. Reduce over all the rows (a statistic of the whole batch), or "
-            "over axes that do not hold them."
-        )
+    known = sorted(axes) if axes is not None else "unknown"
+    grouped = " (the rows regrouped: a statistic per group of rows)" if op_type in _SUMS else ""
     return (
-        f"kmirror: {where} takes {_NAMES[op_type]} over the rows of its call (axes "
-        f"{sorted(axes) if axes is not None else 'unknown'} of a tensor holding them in axes "
-        f"{sorted(held)}). Each replica holds only its rows of the batch, and kmirror makes "
-        "only sums and means over the rows the whole batch's, so the replicas would not compute "
-        "one device's value. Write it with sums or means over the rows, or compute it in the "
-        "model's own train_step outside the layer's call, on the whole batch."
+        f"kmirror: layer '{layer.name}' ({type(layer).__name__}) takes {_NAMES[op_type]} over "
+        f"axes {known} of a tensor holding the rows of its call in axes {sorted(held)}{grouped}. "
+        "A replica holds only its rows of the batch, so it cannot compute one device's value."
     )
 
 

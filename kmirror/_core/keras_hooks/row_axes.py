@@ -28,6 +28,7 @@ NONE: frozenset = frozenset()
 
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
 _SHAPES = {"Shape", "ShapeN", "Size", "Rank"}
+_SLICES = {"StridedSlice", "Slice", "Pad", "PadV2", "MirrorPad"}
 
 
 class RowAxes:
@@ -73,6 +74,8 @@ class RowAxes:
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), keepdims)
         if op.type in ("ArgMax", "ArgMin") and rows is not None:
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), False)
+        if op.type in _SLICES and rows is not None and _in_place(op):
+            return rows  # some of the rows, or the rows padded: where they were
         if op.type == "Reshape" and rows is not None:
             return _reshaped(self, op, rows)
         if op.type == "Transpose" and rows is not None:
@@ -93,6 +96,16 @@ class RowAxes:
                 return NONE
             return frozenset(a - sum(d < a for d in dims) for a in rows)
         return _kept(tensor, op.inputs, held)
+
+
+def _in_place(op) -> bool:
+    """Whether a slice or a padding keeps every axis of its input where it was."""
+    if op.outputs[0].shape.rank != op.inputs[0].shape.rank:
+        return False
+    if op.type == "StridedSlice":
+        masks = ("new_axis_mask", "shrink_axis_mask", "ellipsis_mask")
+        return not any(op.get_attr(mask) for mask in masks)
+    return True
 
 
 def reduced_axes(axes, tensor) -> set | None:

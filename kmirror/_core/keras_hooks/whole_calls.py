@@ -1,0 +1,97 @@
+"""A layer call whose reduction over the rows is not a sum runs whole, on every replica.
+
+A reduction over the rows of a layer call that is not a sum or a mean over all of them (a
+standard deviation over groups of rows, as a GAN discriminator's minibatch standard deviation;
+a maximum, a sort or a top-k over the rows) cannot be computed from each replica's share of
+them (`reductions`). The layer whose call makes it (the innermost one running) then runs again,
+on the whole batch, on every replica:
+
+- its inputs that hold the call's rows (in axis 0) are every replica's rows, joined in row order:
+  each replica's rows placed at their rows of the batch, summed over the replicas. Going
+  backward, a replica's rows get the sum over the replicas of their gradient;
+- its other inputs (weights, data the model holds, a statistic) are taken as they are;
+- within it, reductions are TensorFlow's own, over the whole batch, as on one device;
+- of its outputs, each replica takes its rows (a replica without rows: one row of the batch, as
+  it computed on one): what follows in its pass is computed on its rows, as before.
+
+A replica's loss then reads its rows of one device's output, and the weights' gradients summed
+over the replicas are one device's. The layer's first, partial call is left unused in the graph.
+Where the rows sit in another axis of an input, the call cannot be joined: refused with the
+reduction's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from kmirror._core.keras_hooks import reductions
+from kmirror._core.keras_hooks.replica import replica as replica_rows
+from kmirror._core.keras_hooks.rows import Rows
+
+__all__ = ["run"]
+
+
+def run(layer, args, kwargs, call, refused: str):
+    """`call(args, kwargs)` (`layer`'s call) on the whole batch, this replica's rows of its
+    outputs returned."""
+    rows = reductions.rows()
+
+    def joined(leaf):
+        if not tf.is_tensor(leaf) or isinstance(leaf, tf.Variable):
+            return leaf
+        held = reductions.held(leaf)
+        if not held:  # not computed from the rows, or holding none of them
+            return leaf
+        if held != {0}:
+            raise ValueError(
+                f"{refused} kmirror cannot run the call on the whole batch either: its input "
+                f"holds the rows in axes {sorted(held)}, not in axis 0."
+            ) from None
+        return _joined(leaf, rows, refused)
+
+    whole_args, whole_kwargs = tf.nest.map_structure(joined, (args, kwargs))
+    with reductions.outside(), replica_rows(dataclasses.replace(rows, whole=True)):
+        outputs = call(whole_args, whole_kwargs)
+    return tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
+
+
+def _computed(rows: Rows):
+    """(first row, rows) of the batch this replica computes on: its own, or one row of the
+    batch where it has none (`Rows.padded`)."""
+    count, total = tf.cast(rows.count, tf.int32), tf.cast(rows.total, tf.int32)
+    computed = tf.maximum(count, tf.minimum(total, 1)) if rows.padded else count
+    first = tf.minimum(tf.cast(rows.start, tf.int32), tf.maximum(total - computed, 0))
+    return first, computed
+
+
+def _joined(tensor, rows: Rows, refused):
+    """Every replica's rows of `tensor` (this replica's rows of the call), in row order."""
+    count, total = tf.cast(rows.count, tf.int32), tf.cast(rows.total, tf.int32)
+    start = tf.cast(rows.start, tf.int32)
+    _, computed = _computed(rows)
+    checked = tf.debugging.assert_equal(
+        tf.shape(tensor)[0],
+        computed,
+        message=f"{refused} kmirror ran the call on the whole batch, but an input of it does not "
+        "hold one row per row of the call in axis 0",
+    )
+    with tf.control_dependencies([checked]):
+        own = tensor[:count]
+    rank = tensor.shape.rank
+    padding = tf.concat([[[start, total - start - count]], tf.zeros([rank - 1, 2], tf.int32)], 0)
+    placed = tf.pad(own, padding)
+    floating = placed.dtype.is_floating or placed.dtype.is_complex
+    summed = rows.all_sum(placed if floating else tf.cast(placed, tf.float64))
+    summed = summed if floating else tf.cast(summed, tensor.dtype)
+    summed.set_shape([None, *tensor.shape[1:]])
+    return summed
+
+
+def _taken(output, rows: Rows):
+    """This replica's rows of a whole call's `output` (a scalar: all of it)."""
+    if not tf.is_tensor(output) or output.shape.rank == 0:
+        return output
+    first, computed = _computed(rows)
+    return output[first : first + computed]
