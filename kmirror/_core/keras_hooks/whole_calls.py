@@ -47,7 +47,9 @@ def run(layer, args, kwargs, call, refused: str):
         if held != {0}:
             raise ValueError(
                 f"{refused} kmirror cannot run the call on the whole batch either: its input "
-                f"holds the rows in axes {sorted(held)}, not in axis 0."
+                f"holds the rows in axes {sorted(held)}, not in axis 0. Give the layer its rows "
+                "in the first axis (transpose inside its call), or compute the reduction in the "
+                "model's own train_step, outside the layer's call, on the whole batch."
             ) from None
         return _joined(leaf, rows, refused)
 
