@@ -54,7 +54,8 @@ class GroupedSpread(L.Layer):
         group = ops.where(rows % 3 == 0, 3, ops.where(rows % 2 == 0, 2, 1))
         groups = ops.reshape(x, [group, -1, x.shape[-1]])
         spread = ops.mean(ops.std(groups, axis=0), axis=-1, keepdims=True)
-        return ops.concatenate([x, ops.tile(spread, [group, 1])], axis=-1)
+        spread = ops.reshape(ops.tile(spread, [group, 1]), [-1, 1])  # static width on Keras 3.12
+        return ops.concatenate([x, spread], axis=-1)
 
 
 class BatchStandardized(L.Layer):
