@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-__all__ = ["Split"]
+__all__ = ["Split", "computed_rows"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,7 @@ class Split:
         index = tf.cast(index, total.dtype)
         start, stop = total * index // replicas, total * (index + 1) // replicas
         count = stop - start
-        computed = tf.maximum(count, tf.minimum(total, 1))
-        first = tf.minimum(start, tf.maximum(total - computed, 0))
+        first, computed = computed_rows(start, count, total)
         return cls(start, count, total, first, computed, gather, all_sum, replicas)
 
     def rows(self, tensor):
@@ -190,6 +189,13 @@ class Split:
         tensor = tf.convert_to_tensor(tensor)
         factor = tf.cast(self.replicas, tensor.dtype)
         return tensor * factor if power > 0 else tensor / factor
+
+
+def computed_rows(start, count, total):
+    """(first row, rows) of a batch of `total` rows that a replica with `count` rows from
+    `start` computes on: its own, or one row of the batch where it has none."""
+    computed = tf.maximum(count, tf.minimum(total, 1))
+    return tf.minimum(start, tf.maximum(total - computed, 0)), computed
 
 
 def _differentiable(tensor) -> bool:

@@ -11,8 +11,8 @@ on the whole batch, on every replica:
   backward, a replica's rows get the sum over the replicas of their gradient;
 - its other inputs (weights, data the model holds, a statistic) are taken as they are;
 - within it, reductions are TensorFlow's own, over the whole batch, as on one device;
-- of its outputs, each replica takes its rows (a replica without rows: one row of the batch, as
-  it computed on one): what follows in its pass is computed on its rows, as before.
+- of its outputs, each replica takes its rows (a replica without rows: one row of the batch,
+  where it computed on one row not its own): what follows in its pass has its rows' shape.
 
 A replica's loss then reads its rows of one device's output, and the weights' gradients summed
 over the replicas are one device's. The layer's first, partial call is left unused in the graph.
@@ -26,6 +26,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from kmirror._core.global_batch import computed_rows
 from kmirror._core.keras_hooks import reductions
 from kmirror._core.keras_hooks.replica import replica as replica_rows
 from kmirror._core.keras_hooks.rows import Rows
@@ -60,12 +61,12 @@ def run(layer, args, kwargs, call, refused: str):
 
 
 def _computed(rows: Rows):
-    """(first row, rows) of the batch this replica computes on: its own, or one row of the
-    batch where it has none (`Rows.padded`)."""
-    count, total = tf.cast(rows.count, tf.int32), tf.cast(rows.total, tf.int32)
-    computed = tf.maximum(count, tf.minimum(total, 1)) if rows.padded else count
-    first = tf.minimum(tf.cast(rows.start, tf.int32), tf.maximum(total - computed, 0))
-    return first, computed
+    """(first row, rows) of the batch this replica computes on: its own, or one row where it
+    has none (`Rows.padded`)."""
+    start, count = tf.cast(rows.start, tf.int32), tf.cast(rows.count, tf.int32)
+    if not rows.padded:
+        return start, count
+    return computed_rows(start, count, tf.cast(rows.total, tf.int32))
 
 
 def _joined(tensor, rows: Rows, refused):
