@@ -9,7 +9,9 @@ The layers, each computing from the whole batch of its call on one device:
 - `GroupedSpread`: the standard deviation over groups of rows, as a feature of each row of
   the group (kmirror runs its call whole: its groups hold rows of several replicas);
 - `BatchStandardized`: a normalisation by the batch's moments (`tf.nn.moments` over axis 0),
-  which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows).
+  which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows);
+- `BatchAttention`: each row attends to every row of the batch (a product of the rows with
+  each other, a softmax over the rows, a product summing over them; kmirror runs its call whole).
 
 `compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
 reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
@@ -65,6 +67,12 @@ class BatchStandardized(L.Layer):
         return (x - mean) / tf.sqrt(variance + 1e-3)
 
 
+class BatchAttention(L.Layer):
+    def call(self, x):
+        scores = ops.matmul(x, ops.transpose(x)) / ops.sqrt(ops.cast(x.shape[-1], x.dtype))
+        return x + ops.matmul(ops.softmax(scores, axis=-1), x)
+
+
 def _network() -> keras.Model:
     return keras.Sequential(
         [
@@ -75,6 +83,7 @@ def _network() -> keras.Model:
             GroupedSpread(),
             BatchContext(),
             L.Dense(6, "tanh"),
+            BatchAttention(),
             BatchSpread(),
             L.Dense(2),
         ]

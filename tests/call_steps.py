@@ -5,8 +5,9 @@ exactness matrix).
 - `vector_quantized`: a vector-quantized autoencoder (its quantizer adds its codebook and
   commitment losses with `add_loss`, each a mean over the call's rows), trained by an own step
   that adds `sum(self.autoencoder.losses)` to its reconstruction loss and logs them.
-- `gated`: a layer keeps its gates on itself (`self.gates = ...` in `call`), and the step adds
-  their mean to its loss.
+- `gated`: a layer keeps its gates on itself (`self.gates = ...` in `call`), appends them to a
+  list it holds (`self.seen`, every call's) and puts each row's spread in a dict it sets in the
+  call (`self.latest = {}`); the step adds their means to its loss.
 - `node_classifier`: a graph the model holds (its nodes' features and its edges, in constants),
   passed whole through message passing on every step; the batch is node indices, gathered from
   the call's output. The layer also adds a loss of the nodes' states.
@@ -85,13 +86,20 @@ def vector_quantized():
 
 
 class Gate(L.Layer):
-    """Each row scaled by its gates; the gates kept on the layer."""
+    """Each row scaled by its gates; the gates kept on the layer, in a list and a dict."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []  # every call's gates (a Keras TrackedList)
 
     def build(self, shape):
         self.kernel = self.add_weight(shape=(shape[-1], shape[-1]), initializer="glorot_uniform")
 
     def call(self, x):
         self.gates = ops.sigmoid(ops.matmul(x, self.kernel))
+        self.seen.append(self.gates)
+        self.latest = {}
+        self.latest["spread"] = ops.std(x, axis=-1)
         return x * self.gates
 
 
@@ -107,9 +115,10 @@ class Gated(keras.Model):
         with tf.GradientTape() as tape:
             error = ops.mean(ops.square(self.net(x, training=True) - y))
             openness = ops.mean(self.gate.gates)
-            loss = error + 0.1 * openness
+            recent = ops.mean(self.gate.seen[-1]) + ops.mean(self.gate.latest["spread"])
+            loss = error + 0.1 * openness + 0.05 * recent
         self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
-        return {"loss": loss, "openness": openness}
+        return {"loss": loss, "openness": openness, "recent": recent}
 
 
 def gated():

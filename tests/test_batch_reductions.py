@@ -1,10 +1,12 @@
 """A reduction over the rows of a layer call that is not a sum or a mean over all of them (a
-standard deviation over groups of rows, a maximum, a sort) runs the layer's call on the whole
-batch on every replica: training equals one device, in kmirror's step and in a model's own step,
-with a final batch smaller than the replica count. Where the call's input holds the rows in
-another axis it is refused at the first step, naming the layer and the operation, and the
-weights are left as they were. The sums and means over the rows are in the exactness matrix
-(tests/batch_steps.py); `predict` reduces over the whole batch too."""
+standard deviation over groups of rows, a maximum, a sort), and an op that combines the rows of
+the call otherwise (a product over them, a softmax, a segment mean, a slice or a roll of them),
+runs the layer's call on the whole batch on every replica: training equals one device, in
+kmirror's step and in a model's own step, with a final batch smaller than the replica count.
+Where the call's input holds the rows in another axis it is refused at the first step, naming
+the layer and the operation, and the weights are left as they were. The sums and means over the
+rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the whole batch
+too."""
 
 import keras
 import numpy as np
@@ -36,9 +38,71 @@ class Largest(L.Layer):
         return x - ops.max(x, axis=0)
 
 
+class MaskedLargest(Largest):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True  # its output keeps its input's mask
+
+
+class NoisyLargest(L.Layer):
+    """Dropout, then a maximum over the rows: its seed generator is advanced once per step, as
+    on one device, though its call's first attempt on the replica's rows drew too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = L.Dropout(0.3, seed=4)
+
+    def call(self, x, training=False):
+        x = self.dropout(x, training=training)
+        return x - ops.max(x, axis=0)
+
+
 class Ranked(L.Layer):
     def call(self, x):
         return ops.sort(x, axis=0)
+
+
+class CrossCorrelation(L.Layer):
+    """The batch's cross-correlation `x^T x / n`, `n` its call's row count (a Barlow Twins-like
+    loss term): a matrix product summing over the rows."""
+
+    def call(self, x):
+        count = ops.cast(ops.shape(x)[0], x.dtype)
+        return ops.matmul(x, ops.matmul(ops.transpose(x), x) / count)
+
+
+class RowAttention(L.Layer):
+    """Each row attends to every row of the batch: rows paired, a softmax over the rows."""
+
+    def call(self, x):
+        return ops.matmul(ops.softmax(ops.matmul(x, ops.transpose(x)), axis=-1), x)
+
+
+class Differences(L.Layer):
+    """Each row less the row before it in the batch (slices by the rows' place)."""
+
+    def call(self, x):
+        return ops.concatenate([x[:1] * 0, x[1:] - x[:-1]], axis=0)
+
+
+class SegmentCentred(L.Layer):
+    """Each row less the mean of the rows in its segment (`tf.math.unsorted_segment_mean`)."""
+
+    def call(self, x):
+        segments = ops.cast(x[:, 0] > 0, "int32")
+        means = tf.math.unsorted_segment_mean(x, segments, 2)
+        return x - tf.gather(means, segments)
+
+
+class Rolled(L.Layer):
+    """Each row times the row before it, the first times the last (`tf.roll` over the rows)."""
+
+    def call(self, x):
+        return x * tf.roll(x, 1, axis=0)
+
+
+#: Layers combining the rows of their call, each in one network (a tanh `Dense` after each).
+MIXING = (CrossCorrelation, RowAttention, Differences, SegmentCentred, Rolled)
 
 
 class TransposedLargest(L.Layer):
@@ -51,12 +115,16 @@ class TransposedLargest(L.Layer):
 #: Each layer, and the global batches it trains on: 76 rows in batches of 36 (36, 36, 4: groups
 #: of 4 rows on one device), else 74 (36, 36, 2: a replica without rows in the last).
 WHOLE = {"GroupedSpread": (GroupedSpread, 76), "Largest": (Largest, 74), "Ranked": (Ranked, 74)}
+WHOLE["NoisyLargest"] = (NoisyLargest, 74)
+WHOLE["mixing ops"] = (MIXING, 74)
 
 
 def _network(layer_class) -> keras.Model:
     keras.utils.set_random_seed(3)
     if layer_class is TransposedLargest:
         middle = [L.Lambda(ops.transpose), layer_class(name="coupled")]
+    elif layer_class is MIXING:
+        middle = [layer for mixing in MIXING for layer in (mixing(), L.Dense(4, "tanh"))]
     else:
         middle = [layer_class(name="coupled")]
     return keras.Sequential([keras.Input((5,)), L.Dense(4), *middle, L.Dense(1)])
@@ -76,7 +144,7 @@ class OwnStep(keras.Model):
         with tf.GradientTape() as tape:
             loss = ops.mean(ops.square(self.network(x, training=True) - y))
         self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
-        return {"loss": loss}
+        return {"error": loss}  # logged as it is (Keras logs its own loss tracker for "loss")
 
 
 def _model(layer_class, own_step: bool) -> keras.Model:
@@ -130,3 +198,33 @@ def test_predict_reduces_over_the_whole_batch():
         expected = reference.predict(x, batch_size=batch_size, verbose=0)
         predicted = wrapped.predict(x, batch_size=batch_size, verbose=0)
         np.testing.assert_allclose(predicted, expected, rtol=0, atol=1e-12)
+
+
+def test_a_call_run_whole_keeps_the_mask_of_its_rows():
+    """Token rows with padding (`mask_zero`) through a call run whole (a maximum over the rows):
+    the loss is masked as on one device (the mask joined with the rows, and taken with them)."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 6, size=(74, 7))
+    tokens[:, 5:] = 0  # padding
+    labels = rng.integers(0, 3, size=(74, 7))
+
+    def build():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((7,), dtype="int32"),
+                L.Embedding(6, 4, mask_zero=True),
+                MaskedLargest(),
+                L.Dense(3),
+            ]
+        )
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return model
+
+    with precision("float64"):
+        reference = build()
+        expected = reference.fit(tokens, labels, batch_size=36, epochs=2, shuffle=False, verbose=0)
+        wrapped = kmirror.wrap(build(), devices=cpus(3))
+        history = wrapped.fit(tokens, labels, batch_size=36, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, wrapped) < 1e-10
+    assert_same_history(expected.history, history.history, rtol=1e-10, atol=1e-10)

@@ -215,31 +215,51 @@ def test_a_layer_returning_a_scalar_to_an_own_step_is_refused_with_the_fix():
 
 
 class KeepsItsMean(keras.layers.Layer):
-    """A layer that keeps on itself one value for all the rows of its call."""
+    """A layer that keeps on itself one value for all the rows of its call: as an attribute,
+    in a list it holds, or in a dict it sets in the call."""
+
+    def __init__(self, kept, **kwargs):
+        super().__init__(**kwargs)
+        self.kept, self.means = kept, []
 
     def call(self, x):
-        self.mean = ops.mean(x)
+        if self.kept == "attribute":
+            self.mean = ops.mean(x)
+        elif self.kept == "list":
+            self.means.append(ops.mean(x))
+        else:
+            self.found = {"mean": ops.mean(x)}
         return x
 
+    def read(self):
+        return {"attribute": lambda: self.mean, "list": lambda: self.means[-1]}.get(
+            self.kept, lambda: self.found["mean"]
+        )()
 
-def test_a_layer_keeping_a_value_over_its_rows_is_refused_when_the_step_reads_it():
+
+@pytest.mark.parametrize("kept", ["attribute", "list", "dict"])
+def test_a_layer_keeping_a_value_over_its_rows_is_refused_when_the_step_reads_it(kept):
     class ReadsTheMean(keras.Sequential):
         def train_step(self, data):
             x, y = data
             with tf.GradientTape() as tape:
                 y_pred = self(x, training=True)
-                loss = ops.mean(ops.square(y_pred - y)) + self.layers[-1].mean
+                loss = ops.mean(ops.square(y_pred - y)) + self.layers[-1].read()
             grads = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             return {"loss": loss}
 
-    model = ReadsTheMean([keras.Input((8,)), keras.layers.Dense(3), KeepsItsMean()])
+    model = ReadsTheMean([keras.Input((8,)), keras.layers.Dense(3), KeepsItsMean(kept)])
     model.compile(optimizer="sgd")
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     before = model.get_weights()
     x, y = dense_data()
     y = np.eye(3)[y]
-    with pytest.raises(ValueError, match="reads `mean` of layer 'keeps_its_mean'.*one value per"):
+    message = {
+        "attribute": "reads `mean` of layer 'keeps_its_mean'.*one value per",
+        "list": "reads from a list or dict of a layer.*one value per",
+    }
+    with pytest.raises(ValueError, match=message.get(kept, message["list"])):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
     for a, b in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -28,6 +28,9 @@ def test_the_axes_holding_the_rows():
             "some of the rows": x[2:5],
             "the rows padded": tf.pad(x, [[3, 4], [0, 0]]),
             "one row": x[0],
+            "one step, steps first": tf.transpose(looked_up, [1, 0, 2])[0],
+            "a new first axis": x[None],
+            "a new last axis": x[..., None],
             "held by the model": tf.ones((8, 6)),
         }
         found.update({name: axes.of(tensor) for name, tensor in cases.items()})
@@ -47,5 +50,22 @@ def test_the_axes_holding_the_rows():
         "some of the rows": {0},
         "the rows padded": {0},
         "one row": NONE,
+        "one step, steps first": {0},
+        "a new first axis": {1},
+        "a new last axis": {0},
         "held by the model": None,
     }
+
+
+def test_one_step_of_steps_first_rows_of_unknown_shape():
+    """A recurrent layer's step of its time-major input (`inputs[0]` of `(steps, rows, features)`)
+    holds the rows in axis 0, whatever the dimensions are known to be."""
+    found = {}
+
+    @tf.function
+    def trace(x):
+        found["step"] = RowAxes([x]).of(tf.transpose(x, [1, 0, 2])[0])
+        return x
+
+    trace.get_concrete_function(tf.TensorSpec((None, None, None)))
+    assert found == {"step": {0}}

@@ -19,7 +19,9 @@ TensorFlow has no public API for these things kmirror needs:
   `tf.Variable` has;
 - the functions every reduction of TensorFlow, Keras and NumPy-like code ends in
   (`reduction_functions`: `gen_math_ops.mean`, `_sum`, ...), which kmirror replaces so that a
-  reduction over the rows of a layer call is the whole batch's (`keras_hooks.reductions`);
+  reduction over the rows of a layer call is the whole batch's (`keras_hooks.reductions`), and
+  those of the ops that combine values of different rows (`mixing_functions`: a matrix product,
+  a softmax, a segment sum, a slice, ...), which run such a call on the whole batch;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
 
@@ -44,7 +46,13 @@ from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
 from tensorflow.python.eager import context  # noqa: E402
-from tensorflow.python.ops import gen_math_ops, gen_nn_ops  # noqa: E402
+from tensorflow.python.ops import (  # noqa: E402
+    gen_array_ops,
+    gen_linalg_ops,
+    gen_manip_ops,
+    gen_math_ops,
+    gen_nn_ops,
+)
 
 __all__ = [
     "GroupedAllReduce",
@@ -59,6 +67,7 @@ __all__ = [
     "strategy_of",
     "read_as_numbers",
     "reduction_functions",
+    "mixing_functions",
 ]
 
 
@@ -191,6 +200,40 @@ def reduction_functions() -> list[tuple[object, str, str]]:
         (gen_math_ops, "cumsum", "Cumsum"),
         (gen_math_ops, "cumprod", "Cumprod"),
         (gen_nn_ops, "top_kv2", "TopKV2"),
+        (gen_math_ops, "_any", "Any"),
+        (gen_math_ops, "_all", "All"),
+    ]
+
+
+def mixing_functions() -> list[tuple[object, str, str]]:
+    """(module, function, op type) of the functions that make TensorFlow's ops which can combine
+    values of different rows of a tensor: `tf.matmul`, `tf.einsum`, `tf.nn.softmax`, the segment
+    reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather` and
+    `tf.pad` (and Keras' `ops` that call them) end in these, looked up on the module when
+    called."""
+    math = [
+        ("mat_mul", "MatMul"),
+        ("batch_mat_mul_v2", "BatchMatMulV2"),
+        ("batch_mat_mul_v3", "BatchMatMulV3"),
+        ("bincount", "Bincount"),
+        ("dense_bincount", "DenseBincount"),
+    ]
+    math += [(name, "Segment") for name in ("segment_sum", "segment_sum_v2", "segment_mean")]
+    math += [(name, "Segment") for name in ("segment_max", "segment_min", "segment_prod")]
+    math += [(f"unsorted_segment_{kind}", "Segment") for kind in ("sum", "max", "min", "prod")]
+    math += [(f"sparse_segment_{kind}", "SparseSegment") for kind in ("sum", "mean", "sqrt_n")]
+    return [(gen_math_ops, name, op_type) for name, op_type in math] + [
+        (gen_linalg_ops, "einsum", "Einsum"),
+        (gen_nn_ops, "softmax", "Softmax"),
+        (gen_nn_ops, "log_softmax", "Softmax"),
+        (gen_manip_ops, "roll", "Roll"),
+        (gen_array_ops, "reverse_v2", "ReverseV2"),
+        (gen_array_ops, "strided_slice", "StridedSlice"),
+        (gen_array_ops, "_slice", "Slice"),
+        (gen_array_ops, "gather_v2", "GatherV2"),
+        (gen_array_ops, "pad", "Pad"),
+        (gen_array_ops, "pad_v2", "Pad"),
+        (gen_array_ops, "mirror_pad", "Pad"),
     ]
 
 

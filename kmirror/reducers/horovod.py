@@ -162,6 +162,9 @@ class Horovod(Reducer):
     def all_sum(self, value):
         return self._hvd.allreduce(value, op=self._hvd.Sum)
 
+    def replica_sum(self, value):
+        return self._hvd.allreduce(tf.stop_gradient(value), op=self._hvd.Sum)
+
     def reduce_in_replica(self, gradients: list) -> list:
         return self.reduce_gradients(gradients)  # one replica per process: no merge needed
 

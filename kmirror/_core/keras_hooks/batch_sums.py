@@ -26,31 +26,35 @@ def whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows, local_s
     if None in final:  # reshaped as the replica's sum is, then squeezed
         final = None
     packed = tf.reshape(local, [-1])
-    if op_type == "Mean":
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(work), axes)), work.dtype)
+    if op_type == "Mean":  # the values summed in each: the replica's count
+        count = tf.cast(tf.size(work), work.dtype) / tf.cast(tf.size(local), work.dtype)
         packed = tf.concat([packed, [count]], 0)
     if rows.padded:  # a replica without rows computed on a row not its own
-        has_rows = tf.cast(rows.count > 0, work.dtype)
+        has_rows = rows.has_rows(work.dtype)
         packed = tf.math.multiply_no_nan(packed, has_rows)
-    total = rows.all_sum(packed)  # its gradient is `whole`'s, not the sum's
+    total = (rows.sum_only or rows.all_sum)(packed)  # its gradient is `whole`'s, not the sum's
+    counted = ()
+    if op_type == "Mean":
+        total, count = tf.split(total, [-1, 1])
+        counted = (count,)
 
     @tf.custom_gradient
-    def whole(work, total):
-        value = total[:-1] / total[-1] if op_type == "Mean" else total
+    def whole(work, total, *counted):  # each an input: TensorFlow walks back to them, no further
+        value = total / counted[0] if counted else total
         value = tf.reshape(value, kept if final is None else final)
 
         def gradient(upstream):
             spread = tf.reshape(rows.all_sum(upstream), kept)
-            if op_type == "Mean":
-                spread = spread / total[-1]
+            if counted:
+                spread = spread / counted[0]
             spread = tf.broadcast_to(spread, tf.shape(work))
             if rows.padded:
                 spread = tf.math.multiply_no_nan(spread, has_rows)
-            return spread, None
+            return (spread, None) + (None,) * len(counted)
 
         return value, gradient
 
-    value = whole(work, total)
+    value = whole(work, total, *counted)
     if final is None and not keepdims:
         value = tf.squeeze(value, axes)
     value.set_shape(local.shape if keepdims else _without(local.shape, axes))

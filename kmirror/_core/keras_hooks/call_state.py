@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 from keras.src.layers.layer import Layer
 
+from kmirror._core.keras_hooks import containers
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step, inside_layer_call
 from kmirror._core.keras_hooks.replica import current
 from kmirror._core.keras_hooks.rows import Rows
@@ -93,19 +94,24 @@ class _FromRows:
 
 def _setattr(layer, name, value):
     """`Layer.__setattr__`: while an own step runs, a tensor set on a layer (by the step or by a
-    call) is the replica's own, which it reads back; every replica sets it on the same object."""
+    call), or a list or dict a call sets to fill with its tensors, is the replica's own, which it
+    reads back; every replica sets it on the same object."""
     own = current_step()
     if own is None:
         return _original["__setattr__"](layer, name, value)
     key = (id(layer), name)
     own.attributes.pop(key, None)
     _original["__setattr__"](layer, name, value)
-    if not tf.is_tensor(value) or isinstance(value, tf.Variable | keras.Variable):
+    tensor = tf.is_tensor(value) and not isinstance(value, tf.Variable | keras.Variable)
+    stored = layer.__dict__.get(name)
+    if not tensor and not (inside_layer_call() and layer.built and containers.fresh(stored)):
         return None
     layer.__dict__.pop(name, None)  # read back through `_getattr`
-    own.attributes[key] = (layer, name, value)
-    if inside_layer_call():
+    own.attributes[key] = (layer, name, value if tensor else stored)
+    if tensor and inside_layer_call():
         own.set_in_call.append(key)
+    elif not tensor:
+        containers.adopt(own, stored)
     return None
 
 
@@ -124,9 +130,11 @@ def _getattr(layer, name):
 
 def settle(steps: list[OwnStep]) -> None:
     """After the replicas ran their step: the tensors they set on the layers are set on them as
-    the first replica set them (as a traced step leaves them on one device)."""
+    the first replica set them (as a traced step leaves them on one device), and the layers'
+    lists and dicts hold what it put in them."""
     if not steps:
         return
+    containers.settle(steps)
     for layer, name, value in steps[0].attributes.values():
         value = value.value if isinstance(value, _FromRows) else value
         _original["__setattr__"](layer, name, value)
@@ -139,6 +147,7 @@ def begin_compiled_call() -> None:
     """kmirror's step calls the model on the replica's rows: as Keras' own outermost call does,
     the losses the layers added before are dropped."""
     _compiled.losses = {}
+    containers.begin_compiled_call()
 
 
 def _in_compiled_step() -> bool:
@@ -183,3 +192,4 @@ def install() -> None:
             Layer._get_own_losses = _get_own_losses
             Layer.__setattr__ = _setattr
             Layer.__getattr__ = _getattr
+    containers.install()

@@ -29,7 +29,14 @@ from keras.src import backend
 from keras.src.layers.layer import Layer
 
 from kmirror._core.global_batch import Split
-from kmirror._core.keras_hooks import call_state, reductions, whole_calls
+from kmirror._core.keras_hooks import (
+    call_state,
+    containers,
+    mixing,
+    reductions,
+    whole_calls,
+    writes,
+)
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step
 from kmirror._core.keras_hooks.own_thread import state as _state
 from kmirror._core.keras_hooks.replica import current
@@ -116,6 +123,7 @@ def _call(layer, *args, **kwargs):
         count=split.count,
         total=split.total,
         all_sum=own.all_sum,
+        sum_only=own.sum_only,
         global_statistics=own.global_statistics,
         padded=True,
     )
@@ -133,18 +141,22 @@ def _call(layer, *args, **kwargs):
         _state.inside = False
     call_state.combine_losses(own, call_rows)
     call_state.join_attributes(own, lambda value: _joined(value, split, own))
+    containers.join(own, lambda value: _joined(value, split, own))
     return tf.nest.map_structure(lambda output: _joined(output, split, own), outputs)
 
 
 def _on_rows(layer, args, kwargs):
     """`layer`'s call on the replica's rows; run again on the whole batch where a reduction in
     it over the rows is not a sum (`whole_calls`)."""
+    saved = {}  # what the first attempt wrote to the layers' state, undone before the whole call
     try:
-        return _original["__call__"](layer, *args, **kwargs)
+        with writes.attempt(saved):
+            return _original["__call__"](layer, *args, **kwargs)
     except Exception:
         reason = reductions.whole_asked(layer)
         if reason is None:
             raise
+    writes.undo(saved)
     return whole_calls.run(
         layer, args, kwargs, lambda a, k: _original["__call__"](layer, *a, **k), reason
     )
@@ -162,6 +174,7 @@ def _whole(own: OwnStep, layer, args, kwargs):
         _state.inside = False
     call_state.combine_losses(own, None)
     call_state.join_attributes(own, None)
+    containers.join(own, None)
     return outputs
 
 
@@ -207,3 +220,4 @@ def _install() -> None:
             _original["__call__"] = Layer.__call__
             Layer.__call__ = _call
     call_state.install()
+    mixing.install()

@@ -23,6 +23,7 @@ class OwnStep:
     replicas: int
     all_gather: Callable[[tf.Tensor], tf.Tensor]  # every replica's rows, in replica order
     all_sum: Callable[[tf.Tensor], tf.Tensor]
+    sum_only: Callable[[tf.Tensor], tf.Tensor]  # with no gradient of its own
     reduce_gradients: Callable[[list], list]  # summed over the replicas, in replica context
     variable_scope: Callable[[], contextlib.AbstractContextManager]
     #: The block whose writes to the model's state are recorded (a call's pass on its rows),
@@ -47,6 +48,10 @@ class OwnStep:
     #: call on the replica's rows set, to join when it returns.
     attributes: dict = field(default_factory=dict)
     set_in_call: list = field(default_factory=list)
+    #: The replica's own copy of each list or dict of a layer it put a tensor in
+    #: (`id(container)`: `(container, copy)`), and the tensors (by `id`) a call put in them.
+    shadows: dict = field(default_factory=dict)
+    put_in_call: set = field(default_factory=set)
 
 
 state = threading.local()  # `step`: the OwnStep; `inside`: in one of its layer calls

@@ -1,27 +1,23 @@
 """A reduction over the rows of a layer call is the whole batch's, as on one device.
 
 While a replica computes a layer call on its rows (kmirror's step: the model's call; a model's
-own step: each call the step makes), a layer that reduces over the rows of its call (the mean of
-the batch, its moments, a standard deviation over its rows, a loss it adds as a mean over them)
-would see only the replica's rows. Every reduction TensorFlow, Keras and NumPy-like code makes
-ends in a few of TensorFlow's functions (`tf_hooks.reduction_functions`), which kmirror replaces
-once. While a call runs on a replica's rows they ask where the reduced tensor holds the rows
-(`row_axes`):
+own step: each call the step makes), a layer that reduces over the rows of its call (the batch's
+mean, its moments, a loss it adds as a mean over them) would see only the replica's rows. Every
+reduction of TensorFlow, Keras and NumPy-like code ends in a few of TensorFlow's functions
+(`tf_hooks.reduction_functions`), replaced once. In a call on a replica's rows they ask where
+the reduced tensor holds the rows (`row_axes`):
 
 - a sum or a mean over every axis holding the rows is the whole batch's: the sum over every
-  replica of its rows' sum (and count), computed as one device computes it. Going backward, each
-  replica's rows get the gradient of every replica's use of the value. BatchNormalization's
-  statistics (`tf.nn.moments`, two means) are one case of it;
-- a sum or a mean over some of the axes holding the rows but not all (rows regrouped: groups of
-  4 rows, each group's statistic) depends on which rows a replica holds, and the other
-  reductions over the rows (max, min, product, norm, arg-max, cumulative sums, top-k and sorts)
-  are not sums: the layer's call runs again, on the whole batch (`RunWhole`, `whole_calls`).
+  replica of its rows' sum (and count). Going backward, each replica's rows get the gradient of
+  every replica's use of the value. BatchNormalization's statistics are one case of it;
+- a sum or a mean over some of the axes holding the rows (a statistic per group of rows) and
+  the other reductions over the rows (max, min, product, norm, arg-max, any, cumulative sums,
+  top-k and sorts) run the layer's call again on the whole batch (`RunWhole`, `whole_calls`).
 
-Anything else (a reduction over other axes, over a weight, over data the model holds) is Keras'
-own. Outside such a call, and while kmirror computes its own values (a loss' normaliser, the
-replicas' sums), reductions are TensorFlow's own: a loss function's mean is weighted by the
-replica's share of the rows instead (`replica`). In eager mode (`run_eagerly=True`) a tensor
-does not say where it comes from, and reductions stay the replica's own.
+Anything else (over other axes, a weight, data the model holds) is Keras' own; so is every
+reduction outside such a call, or while kmirror computes its own values (`paused`: a loss'
+normaliser, weighted by the replica's share of the rows instead, `replica`). In eager mode
+(`run_eagerly=True`) a tensor does not say where it comes from: reductions stay the replica's.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import tensorflow as tf
 
@@ -40,7 +37,7 @@ from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["over_rows", "within", "active", "paused", "outside", "from_whole_batch", "install"]
-__all__ += ["RunWhole", "whole_asked", "rows", "held"]
+__all__ += ["RunWhole", "whole_asked", "ask_whole", "watching", "rows", "held"]
 
 
 class RunWhole(Exception):  # noqa: N818 (not an error: the call runs again, whole)
@@ -105,8 +102,7 @@ def paused() -> Iterator[None]:
 
 @contextlib.contextmanager
 def outside() -> Iterator[None]:
-    """Within this block no call runs on the replica's rows: a layer call run on the whole
-    batch (`whole_calls`), whose reductions are TensorFlow's own."""
+    """In this block no call runs on the replica's rows (a call run whole: `whole_calls`)."""
     previous, _state.call = getattr(_state, "call", None), None
     try:
         yield
@@ -121,6 +117,23 @@ def whole_asked(layer) -> str | None:
         return None
     reason, call.asked = call.asked[1], None
     return reason
+
+
+def watching() -> bool:
+    """Whether kmirror follows the ops over the rows of a call on this thread (not paused)."""
+    return _current() is not None
+
+
+def ask_whole(what: str) -> NoReturn:
+    """The innermost call asks to run on the whole batch: `what` it does over its rows."""
+    call = _state.call
+    layer = call.layers[-1]
+    call.asked = (
+        layer,
+        f"kmirror: layer '{layer.name}' ({type(layer).__name__}) {what}. A replica holds only "
+        "its rows of the batch, so it cannot compute one device's value.",
+    )
+    raise RunWhole(call.asked[1])
 
 
 def rows() -> Rows:
@@ -188,8 +201,7 @@ def _replacement(original: Callable, op_type: str) -> Callable:
                 )
             call.whole[value.op] = True
             return value
-        call.asked = (call.layers[-1], _refusal(call, op_type, held, axes))
-        raise RunWhole(call.asked[1])
+        ask_whole(_described(op_type, held, axes))
 
     reduction.__name__ = original.__name__
     return reduction
@@ -208,17 +220,17 @@ _NAMES = {
     "Cumsum": "a cumulative sum",
     "Cumprod": "a cumulative product",
     "TopKV2": "a top-k or a sort",
+    "Any": "an any",
+    "All": "an all",
 }
 
 
-def _refusal(call: _Call, op_type: str, held, axes) -> str:
-    layer = call.layers[-1]
+def _described(op_type: str, held, axes) -> str:
     known = sorted(axes) if axes is not None else "unknown"
     grouped = " (the rows regrouped: a statistic per group of rows)" if op_type in _SUMS else ""
     return (
-        f"kmirror: layer '{layer.name}' ({type(layer).__name__}) takes {_NAMES[op_type]} over "
-        f"axes {known} of a tensor holding the rows of its call in axes {sorted(held)}{grouped}. "
-        "A replica holds only its rows of the batch, so it cannot compute one device's value."
+        f"takes {_NAMES[op_type]} over axes {known} of a tensor holding the rows of its call in "
+        f"axes {sorted(held)}{grouped}"
     )
 
 

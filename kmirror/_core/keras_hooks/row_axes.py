@@ -28,7 +28,7 @@ NONE: frozenset = frozenset()
 
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
 _SHAPES = {"Shape", "ShapeN", "Size", "Rank"}
-_SLICES = {"StridedSlice", "Slice", "Pad", "PadV2", "MirrorPad"}
+_SLICES = {"Slice", "Pad", "PadV2", "MirrorPad"}
 
 
 class RowAxes:
@@ -74,7 +74,10 @@ class RowAxes:
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), keepdims)
         if op.type in ("ArgMax", "ArgMin") and rows is not None:
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), False)
-        if op.type in _SLICES and rows is not None and _in_place(op):
+        known = op.inputs and op.inputs[0].shape.rank is not None
+        if op.type == "StridedSlice" and rows is not None and known and op.inputs[1].shape[0]:
+            return _sliced(op, rows)
+        if op.type in _SLICES and rows is not None:
             return rows  # some of the rows, or the rows padded: where they were
         if op.type == "Reshape" and rows is not None:
             return _reshaped(self, op, rows)
@@ -98,14 +101,26 @@ class RowAxes:
         return _kept(tensor, op.inputs, held)
 
 
-def _in_place(op) -> bool:
-    """Whether a slice or a padding keeps every axis of its input where it was."""
-    if op.outputs[0].shape.rank != op.inputs[0].shape.rank:
-        return False
-    if op.type == "StridedSlice":
-        masks = ("new_axis_mask", "shrink_axis_mask", "ellipsis_mask")
-        return not any(op.get_attr(mask) for mask in masks)
-    return True
+def _sliced(op, rows: frozenset) -> frozenset:
+    """Where `x[...]` puts the rows: each axis it keeps past the axes it drops (an index, `x[0]`)
+    or inserts (`x[None]`); `NONE` where it takes one row (`x[0]` of the rows)."""
+    rank, specs = op.inputs[0].shape.rank, op.inputs[1].shape[0]
+    bits = {name: op.get_attr(f"{name}_mask") for name in ("ellipsis", "new_axis", "shrink_axis")}
+    spanned = sum(1 for i in range(specs) if not (bits["ellipsis"] | bits["new_axis"]) >> i & 1)
+    where, axis, out = {}, 0, 0
+    for i in range(specs):
+        if bits["ellipsis"] >> i & 1:
+            for _ in range(rank - spanned):
+                where[axis], axis, out = out, axis + 1, out + 1
+        elif bits["new_axis"] >> i & 1:
+            out += 1
+        else:
+            kept = not bits["shrink_axis"] >> i & 1
+            where[axis], axis, out = (out if kept else None), axis + 1, out + kept
+    where.update({a: out + a - axis for a in range(axis, rank)})
+    if any(where[a] is None for a in rows):
+        return NONE
+    return frozenset(where[a] for a in rows)
 
 
 def reduced_axes(axes, tensor) -> set | None:
@@ -137,6 +152,9 @@ def _reshaped(axes: RowAxes, op, rows: frozenset) -> frozenset:
         return frozenset({0})
     per_row = _size(source.shape[1:])
     dims = list(target.shape)
+    if op.inputs[1].op.type == "Pack" and len(op.inputs[1].op.inputs) == len(dims):
+        asked = [_static_int(t) for t in op.inputs[1].op.inputs]  # -1: inferred, unknown
+        dims = [d if d is not None or a is None or a < 0 else a for d, a in zip(dims, asked)]
     if per_row is None:
         return frozenset({0}) if first == -1 else frozenset({0, 1} & set(range(len(dims))))
     for last in range(len(dims)):
@@ -156,6 +174,22 @@ def _first_asked(shape):
         static = tf.get_static_value(first)
         return int(static) if static is not None else first
     return None
+
+
+def _static_int(tensor) -> int | None:
+    """A dimension a reshape asks for, where it is known: a constant, or the product of static
+    dimensions of a tensor's shape (`tf.tensordot`'s `prod(gather(shape(x), axes))`)."""
+    value = tf.get_static_value(tensor)
+    if value is not None:
+        return int(np.asarray(value).reshape(-1)[0])
+    op = tensor.op
+    if op.type != "Prod" or op.inputs[0].op.type != "GatherV2":
+        return None
+    shape, picked = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[0].op.inputs[1])
+    if shape.op.type != "Shape" or picked is None:
+        return None
+    dims = [shape.op.inputs[0].shape[int(i)] for i in np.asarray(picked).reshape(-1)]
+    return None if None in dims else math.prod(dims)
 
 
 def _is_row_count(tensor, axes: RowAxes) -> bool:

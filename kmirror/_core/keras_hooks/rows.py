@@ -4,7 +4,7 @@ sums a value with the other replicas'."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tensorflow as tf
 
@@ -26,6 +26,16 @@ class Rows:
     #: Where the replica has no rows, its layers computed on one row of the batch instead (in
     #: a model's own step): only the first `count` rows are its own.
     padded: bool = False
+    #: The sum over every replica with no gradient of its own (None: `all_sum`'s).
+    sum_only: Callable[[tf.Tensor], tf.Tensor] | None = None
+    _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def has_rows(self, dtype) -> tf.Tensor:
+        """1 where this replica has rows, else 0, in `dtype` (made once per graph)."""
+        key = (tf.compat.v1.get_default_graph(), dtype)
+        if key not in self._flags:
+            self._flags[key] = tf.cast(self.count > 0, dtype)
+        return self._flags[key]
 
     def share(self, dtype) -> tf.Tensor:
         """This replica's fraction of the global batch's rows."""

@@ -15,7 +15,9 @@ on the whole batch, on every replica:
   where it computed on one row not its own): what follows in its pass has its rows' shape.
 
 A replica's loss then reads its rows of one device's output, and the weights' gradients summed
-over the replicas are one device's. The layer's first, partial call is left unused in the graph.
+over the replicas are one device's. The layer's first, partial call is left unused in the graph;
+what it wrote to Keras variables (a seed generator's state, moving statistics) is undone before
+the whole call (`writes.attempt`), and a Keras mask of its inputs and outputs goes with the rows.
 Where the rows sit in another axis of an input, the call cannot be joined: refused with the
 reduction's message.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import tensorflow as tf
+from keras.src import backend
 
 from kmirror._core.global_batch import computed_rows
 from kmirror._core.keras_hooks import reductions
@@ -52,12 +55,18 @@ def run(layer, args, kwargs, call, refused: str):
                 "in the first axis (transpose inside its call), or compute the reduction in the "
                 "model's own train_step, outside the layer's call, on the whole batch."
             ) from None
-        return _joined(leaf, rows, refused)
+        whole = _joined(leaf, rows, refused)
+        mask = backend.get_keras_mask(leaf)
+        if mask is not None and reductions.held(mask) == {0}:
+            backend.set_keras_mask(whole, _joined(mask, rows, refused))
+        return whole
 
-    whole_args, whole_kwargs = tf.nest.map_structure(joined, (args, kwargs))
+    with reductions.paused():  # kmirror's own slices and sums of the rows
+        whole_args, whole_kwargs = tf.nest.map_structure(joined, (args, kwargs))
     with reductions.outside(), replica_rows(dataclasses.replace(rows, whole=True)):
         outputs = call(whole_args, whole_kwargs)
-    return tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
+    with reductions.paused():
+        return tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
 
 
 def _computed(rows: Rows):
@@ -93,8 +102,12 @@ def _joined(tensor, rows: Rows, refused):
 
 
 def _taken(output, rows: Rows):
-    """This replica's rows of a whole call's `output` (a scalar: all of it)."""
+    """This replica's rows of a whole call's `output` (a scalar: all of it), and of its mask."""
     if not tf.is_tensor(output) or output.shape.rank == 0:
         return output
     first, computed = _computed(rows)
-    return output[first : first + computed]
+    taken = output[first : first + computed]
+    mask = backend.get_keras_mask(output)
+    if mask is not None and mask.shape.rank:
+        backend.set_keras_mask(taken, mask[first : first + computed])
+    return taken

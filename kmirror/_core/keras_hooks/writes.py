@@ -4,6 +4,8 @@ Every write to a Keras variable goes through `Variable.assign` (`assign_add` and
 call it): metrics' `update_state`, BatchNormalization's moving statistics, a seed generator's next
 state, a layer's own `self.total.assign_add(...)`. While `recording(into)` is open on a thread,
 the variables assigned on that thread are added to `into`; elsewhere `assign` is Keras' own.
+While `attempt(saved)` is open, each variable's value before its first write is kept, so that a
+layer call run again on the whole batch (`whole_calls`) first `undo`es its first attempt's writes.
 Checked on Keras 3.15.1 and 3.12.4.
 """
 
@@ -13,12 +15,13 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import tensorflow as tf
 from keras.src.backend.common.variables import Variable
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
 from kmirror._core.keras_hooks import reductions
 
-__all__ = ["recording", "seed_states", "moving_statistics"]
+__all__ = ["recording", "attempt", "undo", "seed_states", "moving_statistics"]
 
 _state = threading.local()  # tf.distribute runs each replica in a thread of its own
 _original = {}
@@ -39,7 +42,32 @@ def recording(into: dict, alike: dict | None = None) -> Iterator[None]:
         _state.into, _state.alike = previous
 
 
+@contextlib.contextmanager
+def attempt(saved: dict) -> Iterator[None]:
+    """Within this block (on this thread) each Keras variable assigned joins `saved` (by id) with
+    its value before the block's first assignment, for a call run again to `undo` them (a seed
+    generator's next state, moving statistics: written once, as on one device)."""
+    _install()
+    attempts = _state.__dict__.setdefault("attempts", [])
+    attempts.append(saved)
+    try:
+        yield
+    finally:
+        attempts.pop()
+
+
+def undo(saved: dict) -> None:
+    """The variables an `attempt` wrote, assigned back their values from before it."""
+    for variable, value in saved.values():
+        _original["assign"](variable, value)
+
+
 def _assign(self, value):
+    before = None
+    for saved in getattr(_state, "attempts", ()):
+        if id(self) not in saved:
+            before = tf.identity(self.value) if before is None else before
+            saved[id(self)] = (self, before)
     into, alike = getattr(_state, "into", None), getattr(_state, "alike", None)
     if into is not None:
         into.setdefault(id(self), self)
