@@ -45,8 +45,9 @@ _DICT_WRITES = ("__setitem__", "__delitem__", "update", "pop", "popitem", "clear
 _CLASSES = (
     (tracking.TrackedList, list, _LIST_READS, _LIST_WRITES),
     (tracking.TrackedDict, dict, _DICT_READS, _DICT_WRITES),
-    (tracking.TrackedOrderedDict, OrderedDict, _DICT_READS, _DICT_WRITES),
 )
+if hasattr(tracking, "TrackedOrderedDict"):  # Keras 3.15 (not 3.12)
+    _CLASSES += ((tracking.TrackedOrderedDict, OrderedDict, _DICT_READS, _DICT_WRITES),)
 
 _compiled = threading.local()  # `shadows`: kmirror's step on this replica
 
