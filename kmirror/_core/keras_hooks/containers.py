@@ -9,8 +9,8 @@ is left as it was, and the other replicas read their own.
 
 In a model's own step, a tensor a call on the replica's rows put there is, when the call
 returns, the whole batch's as one device computes it (`join`): one value per row of the call is
-joined from every replica's rows; another (a value over the rows) is refused, naming the layer's
-container, when the step reads it. After the step each container holds what the first replica
+joined from every replica's rows; another (a value over the rows) is refused when the step
+reads it. After the step each container holds what the first replica
 left in it, as a traced step leaves it on one device (`settle`). In kmirror's own step the
 shadows are the replica's, and the containers are left as they were.
 
