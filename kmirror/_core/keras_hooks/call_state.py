@@ -66,10 +66,7 @@ def join_attributes(own: OwnStep, join: Callable | None) -> None:
         return
     for key in own.set_in_call:
         layer, name, value = own.attributes[key]
-        if value.shape.rank and value.shape[0] is None:  # one per row of the call
-            value = join(value)
-        else:
-            value = _FromRows(layer, name, value)
+        value = join(value) if containers.per_row(value) else _FromRows(layer, name, value)
         own.attributes[key] = (layer, name, value)
     own.set_in_call.clear()
 

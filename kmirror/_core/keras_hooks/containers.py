@@ -31,7 +31,7 @@ from keras.src.utils import tracking
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step, inside_layer_call
 from kmirror._core.keras_hooks.replica import current
 
-__all__ = ["begin_compiled_call", "fresh", "adopt", "join", "settle", "install"]
+__all__ = ["per_row", "begin_compiled_call", "fresh", "adopt", "join", "settle", "install"]
 
 #: Each tracked container class, its builtin base, the methods that write to it and those
 #: that read it.
@@ -48,6 +48,7 @@ _CLASSES = (
 )
 if hasattr(tracking, "TrackedOrderedDict"):  # Keras 3.15 (not 3.12)
     _CLASSES += ((tracking.TrackedOrderedDict, OrderedDict, _DICT_READS, _DICT_WRITES),)
+_BASES = {cls: base for cls, base, *_ in _CLASSES}
 
 _compiled = threading.local()  # `shadows`: kmirror's step on this replica
 
@@ -71,7 +72,7 @@ class _FromRows:
 def fresh(value) -> bool:
     """Whether `value` is a layer's list or dict holding nothing but tensors (or nothing): one a
     call sets on its layer to fill with the call's tensors (`self.seen = []`)."""
-    if not isinstance(value, tuple(cls for cls, *_ in _CLASSES)):
+    if not isinstance(value, tuple(_BASES)):
         return False
     values = list.__iter__(value) if isinstance(value, list) else dict.values(value)
     return all(tf.is_tensor(v) for v in values)
@@ -80,10 +81,16 @@ def fresh(value) -> bool:
 def adopt(own: OwnStep, container) -> None:
     """A list or dict a call set on its layer (`fresh`), filled already: its tensors are the
     call's, joined as those it puts in later (`join`)."""
-    base = next(base for cls, base, *_ in _CLASSES if isinstance(container, cls))
+    base = next(base for cls, base in _BASES.items() if isinstance(container, cls))
     shadow = _copy(base, container)
     own.shadows[id(container)] = (container, shadow)
     own.put_in_call.update(id(v) for v in (shadow if base is list else shadow.values()))
+
+
+def per_row(value) -> bool:
+    """Whether a tensor a call kept holds one value per row of the call (its first dimension
+    the rows', unknown when traced): the replicas join theirs into the whole batch's."""
+    return bool(value.shape.rank) and value.shape[0] is None
 
 
 def begin_compiled_call() -> None:
@@ -111,7 +118,7 @@ def join(own: OwnStep, joined: Callable | None) -> None:
     def one(value):
         if not tf.is_tensor(value) or id(value) not in put:
             return value
-        if value.shape.rank and value.shape[0] is None:  # one per row of the call
+        if per_row(value):
             return joined(value)
         return _FromRows(value)
 

@@ -51,10 +51,9 @@ class Rows:
         A product that is 0 wherever its factor is 0, even with NaN or infinity: `tf.where` on
         the scalar condition, the same values, made a Horovod job whose global batch had a static
         row (batch_size=1, 2 processes) wait forever at its first step (TensorFlow 2.21)."""
-        has_rows = self.count > 0
 
         def kept(tensor):
-            return tf.math.multiply_no_nan(tensor, tf.cast(has_rows, tensor.dtype))
+            return tf.math.multiply_no_nan(tensor, self.has_rows(tensor.dtype))
 
         def one(value):
             if value is None:
