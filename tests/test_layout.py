@@ -17,7 +17,8 @@ LAYERS = [
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.provenance", "keras_hooks.own_thread"]
     + ["keras_hooks.row_axes", "keras_hooks.batch_sums", "keras_hooks.reductions"]
-    + ["keras_hooks.mixing", "keras_hooks.whole_calls", "keras_hooks.containers"]
+    + ["keras_hooks.by_place", "keras_hooks.mixing", "keras_hooks.whole_calls"]
+    + ["keras_hooks.containers"]
     + ["keras_hooks.call_state", "keras_hooks.calls"]
     + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"]
     + ["install_horovod"],

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-__all__ = ["Split", "computed_rows"]
+__all__ = ["Split", "computed_rows", "any_count"]
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,10 @@ class Split:
         return cls(start, count, total, first, computed, gather, all_sum, replicas)
 
     def rows(self, tensor):
-        """The rows of `tensor` this replica computes on."""
+        """The rows of `tensor` this replica computes on (their count unknown: `any_count`)."""
         if not _differentiable(tensor):
-            return tensor[self.first : self.first + self.computed]
-        return self._rows(tensor, dummy=True)
+            return any_count(tensor[self.first : self.first + self.computed])
+        return any_count(self._rows(tensor, dummy=True))
 
     def joined(self, tensor):
         """Every replica's rows of `tensor` (computed from `rows`), joined in row order."""
@@ -196,6 +196,18 @@ def computed_rows(start, count, total):
     `start` computes on: its own, or one row of the batch where it has none."""
     computed = tf.maximum(count, tf.minimum(total, 1))
     return tf.minimum(start, tf.maximum(total - computed, 0)), computed
+
+
+def any_count(tensor):
+    """`tensor`, a replica's rows, with its row count unknown to the traced graph. A batch of a
+    size the trace knows (a dataset's `drop_remainder`, arrays of whole batches) would give the
+    replica's rows a known count, and a layer reading it (`ops.shape(x)[0]`, `x.shape[0]`)
+    would take the replica's count for the batch's as a Python number, which no op shows."""
+    shape = tensor.shape
+    if tf.executing_eagerly() or not shape.rank or shape[0] is None:
+        return tensor
+    unknown = tf.TensorShape([None]).concatenate(shape[1:])
+    return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=unknown)
 
 
 def _differentiable(tensor) -> bool:

@@ -208,9 +208,9 @@ def reduction_functions() -> list[tuple[object, str, str]]:
 def mixing_functions() -> list[tuple[object, str, str]]:
     """(module, function, op type) of the functions that make TensorFlow's ops which can combine
     values of different rows of a tensor: `tf.matmul`, `tf.einsum`, `tf.nn.softmax`, the segment
-    reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather` and
-    `tf.pad` (and Keras' `ops` that call them) end in these, looked up on the module when
-    called."""
+    reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather`,
+    `tf.gather_nd`, the scatters, `tf.pad` and `tf.cast` (of a row count to a number), and Keras'
+    `ops` that call them, end in these, looked up on the module when called."""
     math = [
         ("mat_mul", "MatMul"),
         ("batch_mat_mul_v2", "BatchMatMulV2"),
@@ -222,6 +222,7 @@ def mixing_functions() -> list[tuple[object, str, str]]:
     math += [(name, "Segment") for name in ("segment_max", "segment_min", "segment_prod")]
     math += [(f"unsorted_segment_{kind}", "Segment") for kind in ("sum", "max", "min", "prod")]
     math += [(f"sparse_segment_{kind}", "SparseSegment") for kind in ("sum", "mean", "sqrt_n")]
+    scatters = [f"tensor_scatter_{kind}" for kind in ("update", "add", "sub", "max", "min")]
     return [(gen_math_ops, name, op_type) for name, op_type in math] + [
         (gen_linalg_ops, "einsum", "Einsum"),
         (gen_nn_ops, "softmax", "Softmax"),
@@ -231,6 +232,9 @@ def mixing_functions() -> list[tuple[object, str, str]]:
         (gen_array_ops, "strided_slice", "StridedSlice"),
         (gen_array_ops, "_slice", "Slice"),
         (gen_array_ops, "gather_v2", "GatherV2"),
+        (gen_array_ops, "gather_nd", "GatherNd"),
+        *[(gen_array_ops, name, "TensorScatter") for name in scatters],
+        (gen_math_ops, "cast", "Cast"),
         (gen_array_ops, "pad", "Pad"),
         (gen_array_ops, "pad_v2", "Pad"),
         (gen_array_ops, "mirror_pad", "Pad"),

@@ -18,6 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from kmirror._core import global_batch
 from kmirror._core.feed import rows as rows_lib
 from kmirror.reducers.base import Reducer
 
@@ -45,7 +46,7 @@ def shard(data: Any, index: int, count: int) -> Any:
 
     def rows(tensor):
         start, stop = rows_lib.bounds(tf.shape(tensor)[0], index, count)
-        return tensor[start:stop]
+        return global_batch.any_count(tensor[start:stop])
 
     return tf.nest.map_structure(lambda t: None if t is None else rows(t), data)
 

@@ -20,60 +20,40 @@ import inspect
 import threading
 from collections.abc import Callable
 
-import numpy as np
-import tensorflow as tf
-
 from kmirror._core import tf_hooks
-from kmirror._core.keras_hooks import reductions
-from kmirror._core.keras_hooks.row_axes import reduced_axes
+from kmirror._core.keras_hooks import by_place, reductions
+from kmirror._core.keras_hooks.by_place import held, named_axes, over, rank
 
 __all__ = ["install"]
 
 
-def _held(tensor) -> frozenset:
-    return reductions.held(tensor) or frozenset()
-
-
-def _rank(tensor) -> int | None:
-    return tensor.shape.rank if tf.is_tensor(tensor) else None
-
-
-def _static(value) -> np.ndarray | None:  # flat
-    return None if (found := tf.get_static_value(value)) is None else np.reshape(found, -1)
-
-
-def _axes(value, tensor) -> set | None:
-    """The axes (non-negative) of `tensor` that `value` names, if known."""
-    return reduced_axes(value, tensor) if tf.is_tensor(tensor) else None
-
-
-def _labels(subscripts: str, rank: int | None) -> list[str] | None:
+def _labels(subscripts: str, dims: int | None) -> list[str] | None:
     """An einsum operand's label for each of its axes; those `...` stands for labelled by their
     place from its end (`.0` the last), as broadcasting aligns them."""
-    if "..." not in subscripts or rank is None:
+    if "..." not in subscripts or dims is None:
         return None if "..." in subscripts else list(subscripts)
     before, after = subscripts.split("...")
-    covered = rank - len(before) - len(after)
+    covered = dims - len(before) - len(after)
     return [*before, *(f".{covered - 1 - i}" for i in range(covered)), *after]
 
 
 def _product(operands, output: str) -> str | None:
     """Whether a product of `operands` ((tensor, subscripts) as an einsum writes them) into
     `output`'s subscripts sums over the rows, or pairs rows held in different axes."""
-    held = []
+    labelled = []  # each operand's labels of the axes holding the rows
     for tensor, subscripts in operands:
-        axes = _held(tensor)
+        axes = held(tensor)
         if axes:
-            labels = _labels(subscripts, _rank(tensor))
+            labels = _labels(subscripts, rank(tensor))
             if labels is None:
                 return "takes a product of a tensor holding the rows of its call"
-            held.append(frozenset(labels[a] for a in axes))
-    if not held:
+            labelled.append(frozenset(labels[a] for a in axes))
+    if not labelled:
         return None
     kept = set(output) | ({"."} if "..." in output else set())
-    if any((label[0] if label[0] == "." else label) not in kept for ls in held for label in ls):
+    if any((lb[0] if lb[0] == "." else lb) not in kept for ls in labelled for lb in ls):
         return "takes a product that sums over the rows of its call (a matrix product or einsum)"
-    if len(set(held)) > 1:
+    if len(set(labelled)) > 1:
         return "takes a product that pairs the rows of its call with each other"
     return None
 
@@ -99,105 +79,38 @@ def _einsum(given) -> str | None:
     return _product(list(zip(given["inputs"], inputs.split(","))), output)
 
 
-def _over(tensor, axes, what: str) -> str | None:
-    """`what`, where `axes` (unknown: None) of `tensor` hold its call's rows."""
-    held = _held(tensor)
-    if held and (axes is None or held & axes):
-        return f"{what} over axes {sorted(held)} of a tensor holding the rows of its call"
-    return None
-
-
 def _last(tensor) -> set | None:
-    rank = _rank(tensor)
-    return None if rank is None else {rank - 1}
+    dims = rank(tensor)
+    return None if dims is None else {dims - 1}
 
 
 def _softmax(given) -> str | None:
-    return _over(given["logits"], _last(given["logits"]), "takes a softmax")
+    return over(given["logits"], _last(given["logits"]), "takes a softmax")
 
 
 def _segment(given) -> str | None:
     ids = given["segment_ids"]
-    rank = _rank(ids)
-    axes = None if rank is None else set(range(rank))
-    return _over(given["data"], axes, "takes a segment reduction") or _over(
+    dims = rank(ids)
+    axes = None if dims is None else set(range(dims))
+    return over(given["data"], axes, "takes a segment reduction") or over(
         ids, None, "takes a segment reduction by segment ids"
     )
 
 
 def _sparse_segment(given) -> str | None:
     what = "takes a segment reduction"
-    return _over(given["data"], {0}, what) or _over(given["indices"], None, what)
+    return over(given["data"], {0}, what) or over(given["indices"], None, what)
 
 
 def _dense_bincount(given) -> str | None:
-    return _over(given["input"], _last(given["input"]), "counts values")
+    return over(given["input"], _last(given["input"]), "counts values")
 
 
 def _along(argument: str, what: str) -> Callable:
     def rule(given) -> str | None:
-        return _over(given[argument], _axes(given["axis"], given[argument]), what)
+        return over(given[argument], named_axes(given["axis"], given[argument]), what)
 
     return rule
-
-
-def _elements(vector) -> list | None:
-    """Each element of a 1-D `vector` where it is known, else None for it."""
-    value = _static(vector)
-    if value is not None:
-        return [int(v) for v in value]
-    if getattr(vector, "op", None) is not None and vector.op.type == "Pack":
-        return [None if (v := _static(t)) is None else int(v[0]) for t in vector.op.inputs]
-    return None
-
-
-def _strided_slice(given) -> str | None:
-    tensor = given["input"]
-    held, rank = _held(tensor), _rank(tensor)
-    begin, strides = _elements(given["begin"]), _elements(given["strides"])
-    if not held or rank is None or begin is None or strides is None:
-        return _over(tensor, None, "takes a slice")
-    masks = {name: given[f"{name}_mask"] for name in ("begin", "end", "ellipsis", "new_axis")}
-    spanned = ~(masks["new_axis"] | masks["ellipsis"])  # the entries taking an axis each
-    axis, partial = 0, set()
-    for i in range(len(begin)):
-        if masks["ellipsis"] >> i & 1:
-            axis += rank - sum(spanned >> j & 1 for j in range(len(begin)))
-        elif not masks["new_axis"] >> i & 1:
-            whole = (
-                (masks["begin"] >> i & 1 or begin[i] == 0)
-                and masks["end"] >> i & 1
-                and strides[i] == 1
-                and not given["shrink_axis_mask"] >> i & 1
-            )
-            partial |= set() if whole else {axis}
-            axis += 1
-    return _over(tensor, partial, "takes a slice") if partial else None
-
-
-def _slice(given) -> str | None:
-    tensor = given["input"]
-    begin, size = _elements(given["begin"]), _elements(given["size"])
-    if begin is None or size is None:
-        return _over(tensor, None, "takes a slice")
-    partial = {a for a, (b, s) in enumerate(zip(begin, size)) if b != 0 or s != -1}
-    return _over(tensor, partial, "takes a slice") if partial else None
-
-
-def _gather(given) -> str | None:
-    params, indices = given["params"], given["indices"]
-    if _held(indices):  # rows selected per row of the call (by a mask, a row's own index)
-        return None
-    return _over(params, _axes(given["axis"], params), "gathers rows by index")
-
-
-def _pad(given) -> str | None:
-    tensor = given["input"]
-    paddings = _static(given["paddings"])
-    if paddings is None:
-        return _over(tensor, None, "pads the values")
-    padded = {a for a, pair in enumerate(paddings.reshape(-1, 2)) if pair.any()}
-    return _over(tensor, padded, "pads the values") if padded else None
 
 
 _RULES: dict[str, Callable] = {
@@ -208,14 +121,11 @@ _RULES: dict[str, Callable] = {
     "Softmax": _softmax,
     "Segment": _segment,
     "SparseSegment": _sparse_segment,
-    "Bincount": lambda given: _over(given["arr"], None, "counts values"),
+    "Bincount": lambda given: over(given["arr"], None, "counts values"),
     "DenseBincount": _dense_bincount,
     "Roll": _along("input", "rolls the values"),
     "ReverseV2": _along("tensor", "reverses the values"),
-    "StridedSlice": _strided_slice,
-    "Slice": _slice,
-    "GatherV2": _gather,
-    "Pad": _pad,
+    **by_place.RULES,
 }
 
 
