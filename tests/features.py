@@ -281,7 +281,8 @@ class RunningSum(keras.layers.Layer):
 
 
 class RowsSeen(keras.layers.Layer):
-    """Writes how many rows its call saw: the replica's rows, not the batch's."""
+    """Writes how many rows its call saw: the batch's, as on one device (its call runs whole);
+    the replica's with `sync_batch_norm=False`."""
 
     def __init__(self, aggregation, **kwargs):
         super().__init__(**kwargs)

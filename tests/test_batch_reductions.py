@@ -8,6 +8,8 @@ the layer and the operation, and the weights are left as they were. The sums and
 rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the whole batch
 too."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -203,6 +205,39 @@ def test_a_call_reading_its_row_count_is_exact_on_batches_of_a_known_size(own_st
         history = wrapped.fit(batches, epochs=2, verbose=0)
     assert max_weight_difference(reference, wrapped) < 1e-10
     assert_same_history(expected.history, history.history, rtol=1e-10, atol=1e-10)
+
+
+class RowsCounted(L.Layer):
+    """A running count of the rows its calls saw, with `aggregation`: a cast of its row count."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(**kwargs)
+        self.aggregation = aggregation
+
+    def build(self, shape):
+        self.counted = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, aggregation=self.aggregation
+        )
+
+    def call(self, x):
+        self.counted.assign_add(ops.cast(ops.shape(x)[0], self.counted.dtype))
+        return x
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
+def test_what_a_call_run_whole_writes_is_written_once_whatever_its_aggregation(own_step):
+    """3 replicas, 74 rows in batches of 36: every replica writes the batch's count, as one
+    device does; a "sum" weight adds it once, not once per replica."""
+    x, y = _data(74)
+    for aggregation in ("sum", "mean", "only_first_replica", "none"):
+        counted = []
+        for wrapped in (False, True):
+            model = _model(functools.partial(RowsCounted, aggregation), own_step)
+            network = model.network if own_step else model
+            model = kmirror.wrap(model, devices=cpus(3)) if wrapped else model
+            model.fit(x, y, batch_size=36, epochs=2, shuffle=False, verbose=0)
+            counted.append(float(network.get_layer("coupled").counted.numpy()))
+        assert counted == [4 + 148.0] * 2, aggregation  # `_model`'s build call of 4 rows too
 
 
 @pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])

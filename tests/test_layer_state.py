@@ -20,9 +20,13 @@ from kmirror._core import keras_hooks
 
 
 def test_mean_and_only_first_replica_combine_what_the_replicas_wrote():
+    """Each replica computing from its own rows (`sync_batch_norm=False`: its row count too; by
+    default the layer's call runs whole and every replica writes the batch's count)."""
     x, y = dense_data()
     for aggregation, expected in (("mean", 16.5), ("only_first_replica", 16.0)):
-        model = kmirror.wrap(rows_seen(aggregation), reducer="hierarchical_copy", devices=cpus(2))
+        model = kmirror.wrap(
+            rows_seen(aggregation), "hierarchical_copy", devices=cpus(2), sync_batch_norm=False
+        )
         # One batch of 33 rows: the replicas see 16 and 17 of them.
         model.fit(x[:33], y[:33], batch_size=33, epochs=1, verbose=0)
         assert model.layers[0].seen.numpy() == expected
@@ -32,15 +36,21 @@ def test_a_none_weight_written_differently_raises_naming_aggregation_and_updates
     x, y = dense_data()
     user = rows_seen("none")
     before = [w.numpy().copy() for w in user.weights]
-    model = kmirror.wrap(user, reducer="one_device", devices=cpus(2))
+    # Each replica writes its own row count (`sync_batch_norm=False`).
+    model = kmirror.wrap(user, reducer="one_device", devices=cpus(2), sync_batch_norm=False)
     with pytest.raises(
         ValueError, match=r"rows_seen(_\d+)?/seen, whose aggregation is 'none'.*aggregat"
     ):
         model.fit(x, y, batch_size=33, epochs=1, verbose=0)
     # The check runs before the optimizer: the failing (first) step updated no weight.
     np.testing.assert_array_equal(user.layers[1].kernel.numpy(), before[1])
+    # `evaluate` reduces over the whole batch whatever `sync_batch_norm` says: its check is
+    # tried on eager steps, where a replica's call counts its own rows (no trace says where they
+    # come from).
+    eager = rows_seen("none")
+    eager.compile(loss=keras.losses.SparseCategoricalCrossentropy(True), run_eagerly=True)
     with pytest.raises(ValueError, match="aggregation='sum'"):
-        model.evaluate(x, y, batch_size=33, verbose=0)
+        kmirror.wrap(eager, devices=cpus(2)).evaluate(x, y, batch_size=33, verbose=0)
     # A batch every replica sees the same share of (2 rows on 2 replicas) writes alike.
     model.fit(x[:2], y[:2], batch_size=2, epochs=1, verbose=0)
     assert user.layers[0].seen.numpy() == 1.0

@@ -71,8 +71,8 @@ def wrap(
         task_id: this process's index in its job.
         sync_batch_norm: BatchNormalization layers use the statistics of the global batch, as on
             one device, and so does every layer's sum or mean over the rows of its call
-            (default). False: each replica normalises and reduces over its own rows, fewer
-            all-reduces per step, but no longer the single-device result.
+            (default). False: each replica normalises and reduces over its own rows (and
+            counts them), fewer all-reduces per step, but no longer the single-device result.
         prefetch: with several replicas in one process, each replica's rows of the next batch
             of a `tf.data` dataset or of arrays are copied to its device while the current step
             runs, as `tf.distribute` does (the same rows, the same result). None (default): when

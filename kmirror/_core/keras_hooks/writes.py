@@ -3,7 +3,8 @@
 Every write to a Keras variable goes through `Variable.assign` (`assign_add` and `assign_sub`
 call it): metrics' `update_state`, BatchNormalization's moving statistics, a seed generator's next
 state, a layer's own `self.total.assign_add(...)`. While `recording(into)` is open on a thread,
-the variables assigned on that thread are added to `into`; elsewhere `assign` is Keras' own.
+the variables assigned on that thread are added to `into` (and to `alike` when every replica
+writes the same value); elsewhere `assign` is Keras' own.
 While `attempt(saved)` is open, each variable's value before its first write is kept, so that a
 layer call run again on the whole batch (`whole_calls`) first `undo`es its first attempt's writes.
 Checked on Keras 3.15.1 and 3.12.4.
@@ -19,7 +20,7 @@ import tensorflow as tf
 from keras.src.backend.common.variables import Variable
 from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-from kmirror._core.keras_hooks import reductions
+from kmirror._core.keras_hooks import reductions, replica
 
 __all__ = ["recording", "attempt", "undo", "seed_states", "moving_statistics"]
 
@@ -71,9 +72,16 @@ def _assign(self, value):
     into, alike = getattr(_state, "into", None), getattr(_state, "alike", None)
     if into is not None:
         into.setdefault(id(self), self)
-        if alike is not None and reductions.from_whole_batch(value):
+        if alike is not None and (_in_whole_call() or reductions.from_whole_batch(value)):
             alike.setdefault(id(self), self)
     return _original["assign"](self, value)
+
+
+def _in_whole_call() -> bool:
+    """Whether this replica computes a layer call on the whole batch (`whole_calls`): what the
+    call writes, every replica writes alike, as one device does."""
+    rows = replica.current()
+    return rows is not None and rows.whole
 
 
 def _install() -> None:
