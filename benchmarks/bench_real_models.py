@@ -15,7 +15,7 @@ of the medians:
 Writes `"real_models": {"resnet50": {"step_time": r, "peak_memory": r, "wrap_first_step": r,
 ...}, "mobilenet_v2": {...}}` to benchmarks/results.json (the absolute figures beside them).
 
-    python benchmarks/bench_real_models.py [--runs 2] [--steps 8]
+    python benchmarks/bench_real_models.py [--runs 3] [--steps 8]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def measured(side: str, model_key: str, steps: int) -> dict[str, float]:
 
 
 def main():
-    args = common.options(__doc__, runs=2, steps=8, model="")
+    args = common.options(__doc__, runs=3, steps=8, model="")
     if args.child:
         return child(args.child, args.model, args.steps)
     results = {}
