@@ -23,6 +23,8 @@ one class. The names it answers as the user's model are `_core.answering`'s.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -36,6 +38,7 @@ from kmirror._core import (
     mirroring,
     own_step,
     step,
+    tf_hooks,
 )
 from kmirror._core.answering import AnswersAsModel
 from kmirror._core.callbacks import keras_own
@@ -46,6 +49,18 @@ from kmirror._core.feed import rows as rows_lib
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel"]
+
+
+def _released(step_method):
+    """A step whose traced graph is freed with its model: TensorFlow's gradient registry keeps
+    what a step's custom gradients registered (`tf_hooks.custom_gradients_released`)."""
+
+    @functools.wraps(step_method)
+    def method(self, data):
+        with tf_hooks.custom_gradients_released():
+            return step_method(self, data)
+
+    return method
 
 
 class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
@@ -213,6 +228,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             return self._model.metrics
         return super().metrics
 
+    @_released
     def train_step(self, data):
         data, place = rows_lib.unpack(data)
         if self._own_training:
@@ -233,6 +249,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         self._samples_seen.assign_add(tf.cast(outcome.rows, tf.int64))
         return logged.record(self, data, outcome)
 
+    @_released
     def test_step(self, data):
         data, place = rows_lib.unpack(data)
         if self._own_training:
@@ -242,6 +259,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         )
         return logged.record(self, data, outcome)
 
+    @_released
     def predict_step(self, data):
         data, place = rows_lib.unpack(data)
         if "predict_step" in self._own_steps:

@@ -23,13 +23,17 @@ TensorFlow has no public API for these things kmirror needs:
   those of the ops that combine values of different rows (`mixing_functions`: a matrix product,
   a softmax, a segment sum, a slice, ...), which run such a call on the whole batch;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
-  `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU).
+  `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU);
+- the gradient registry, from which `custom_gradients_released` removes what a traced step's
+  `tf.custom_gradient`s registered there (and with it the step's graph, kept alive otherwise).
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -46,6 +50,7 @@ from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
 from tensorflow.python.eager import context  # noqa: E402
+from tensorflow.python.framework import ops as tf_ops  # noqa: E402
 from tensorflow.python.ops import (  # noqa: E402
     gen_array_ops,
     gen_linalg_ops,
@@ -68,15 +73,13 @@ __all__ = [
     "read_as_numbers",
     "reduction_functions",
     "mixing_functions",
+    "custom_gradients_released",
 ]
 
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
-    """TensorFlow's packed batch all-reduce with the sum of the packs done by `sum_packs`.
-
-    `sum_packs(devices, packs)` receives `packs[d][i] = (tensor_i on device d, variable)` and
-    returns the same layout with every device holding the total.
-    """
+    """TensorFlow's packed batch all-reduce, the packs summed by `sum_packs(devices, packs)`:
+    `packs[d][i] = (tensor_i on device d, variable)`, returned with every device's the total."""
 
     def __init__(self, sum_packs: Callable, num_packs: int = 1) -> None:
         super().__init__(num_packs=num_packs)
@@ -110,9 +113,7 @@ def seed_state() -> tuple | None:
     """TensorFlow's global seed and the state of the generator its eager operations' seeds are
     drawn from (None when no global seed was set: every process draws differently)."""
     eager = context.context()
-    if eager._seed is None:
-        return None
-    return eager._seed, eager._rng.getstate()
+    return None if eager._seed is None else (eager._seed, eager._rng.getstate())
 
 
 def started() -> bool:
@@ -130,6 +131,29 @@ def strategy_of(variable: tf.Variable) -> tf.distribute.Strategy | None:
     return getattr(variable, "_distribute_strategy", None)
 
 
+_tracing: list = []  # per step being traced: the registry's names as the first one began
+_tracing_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def custom_gradients_released():
+    """Around a step's Python code: what its `tf.custom_gradient`s registered in TensorFlow's
+    global gradient registry (one entry per call while tracing, holding the traced graph alive
+    for the life of the process) is removed when the last step traced at once has returned;
+    each step's gradients are taken within it."""
+    registry = tf_ops._gradient_registry._registry
+    with _tracing_lock:
+        _tracing.append(_tracing[0] if _tracing else set(registry))
+    try:
+        yield
+    finally:
+        with _tracing_lock:
+            before = _tracing.pop()
+            for name in set(registry) - before if not _tracing else ():
+                if name.startswith("CustomGradient-"):
+                    del registry[name]
+
+
 def read_as_numbers() -> None:
     """Gives TensorFlow's distributed variables the conversions of a `tf.Variable`: `int(v)`,
     `float(v)` and `complex(v)` of the value `v.numpy()` reads (outside a step: every replica's
@@ -137,15 +161,7 @@ def read_as_numbers() -> None:
     TensorFlow does not define; calling it again changes nothing."""
     for name, convert in (("__int__", int), ("__float__", float), ("__complex__", complex)):
         if not hasattr(tf_values.DistributedVariable, name):
-            setattr(tf_values.DistributedVariable, name, _read_as(convert))
-
-
-def _read_as(convert: Callable) -> Callable:
-    def method(self):
-        return convert(self.numpy())
-
-    method.__name__ = f"__{convert.__name__}__"
-    return method
+            setattr(tf_values.DistributedVariable, name, lambda v, to=convert: to(v.numpy()))
 
 
 class _Extended(tf_collective.CollectiveAllReduceExtended):
@@ -184,25 +200,18 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
     return _MultiWorker(resolver, options, cpu_devices)
 
 
+def _ops(module, pairs: str) -> list[tuple[object, str, str]]:
+    """(module, function, op type) for each "function:OpType" of `pairs`."""
+    return [(module, *pair.split(":")) for pair in pairs.split()]
+
+
 def reduction_functions() -> list[tuple[object, str, str]]:
     """(module, function, op type) of the functions TensorFlow's reductions call to make their
     op: `tf.reduce_mean`, `tf.math.reduce_variance`, `tf.nn.moments`, Keras' `ops.mean`,
     `ops.var` and the rest all end in one of these, looked up on the module when called."""
-    return [
-        (gen_math_ops, "_sum", "Sum"),
-        (gen_math_ops, "mean", "Mean"),
-        (gen_math_ops, "_max", "Max"),
-        (gen_math_ops, "_min", "Min"),
-        (gen_math_ops, "prod", "Prod"),
-        (gen_math_ops, "euclidean_norm", "EuclideanNorm"),
-        (gen_math_ops, "arg_max", "ArgMax"),
-        (gen_math_ops, "arg_min", "ArgMin"),
-        (gen_math_ops, "cumsum", "Cumsum"),
-        (gen_math_ops, "cumprod", "Cumprod"),
-        (gen_nn_ops, "top_kv2", "TopKV2"),
-        (gen_math_ops, "_any", "Any"),
-        (gen_math_ops, "_all", "All"),
-    ]
+    math = "_sum:Sum mean:Mean _max:Max _min:Min prod:Prod euclidean_norm:EuclideanNorm "
+    math += "arg_max:ArgMax arg_min:ArgMin cumsum:Cumsum cumprod:Cumprod _any:Any _all:All"
+    return _ops(gen_math_ops, math) + _ops(gen_nn_ops, "top_kv2:TopKV2")
 
 
 def mixing_functions() -> list[tuple[object, str, str]]:
@@ -211,33 +220,22 @@ def mixing_functions() -> list[tuple[object, str, str]]:
     reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather`,
     `tf.gather_nd`, the scatters, `tf.pad` and `tf.cast` (of a row count to a number), and Keras'
     `ops` that call them, end in these, looked up on the module when called."""
-    math = [
-        ("mat_mul", "MatMul"),
-        ("batch_mat_mul_v2", "BatchMatMulV2"),
-        ("batch_mat_mul_v3", "BatchMatMulV3"),
-        ("bincount", "Bincount"),
-        ("dense_bincount", "DenseBincount"),
-    ]
-    math += [(name, "Segment") for name in ("segment_sum", "segment_sum_v2", "segment_mean")]
-    math += [(name, "Segment") for name in ("segment_max", "segment_min", "segment_prod")]
-    math += [(f"unsorted_segment_{kind}", "Segment") for kind in ("sum", "max", "min", "prod")]
-    math += [(f"sparse_segment_{kind}", "SparseSegment") for kind in ("sum", "mean", "sqrt_n")]
-    scatters = [f"tensor_scatter_{kind}" for kind in ("update", "add", "sub", "max", "min")]
-    return [(gen_math_ops, name, op_type) for name, op_type in math] + [
-        (gen_linalg_ops, "einsum", "Einsum"),
-        (gen_nn_ops, "softmax", "Softmax"),
-        (gen_nn_ops, "log_softmax", "Softmax"),
-        (gen_manip_ops, "roll", "Roll"),
-        (gen_array_ops, "reverse_v2", "ReverseV2"),
-        (gen_array_ops, "strided_slice", "StridedSlice"),
-        (gen_array_ops, "_slice", "Slice"),
-        (gen_array_ops, "gather_v2", "GatherV2"),
-        (gen_array_ops, "gather_nd", "GatherNd"),
-        *[(gen_array_ops, name, "TensorScatter") for name in scatters],
-        (gen_math_ops, "cast", "Cast"),
-        (gen_array_ops, "pad", "Pad"),
-        (gen_array_ops, "pad_v2", "Pad"),
-        (gen_array_ops, "mirror_pad", "Pad"),
+    math = "mat_mul:MatMul batch_mat_mul_v2:BatchMatMulV2 batch_mat_mul_v3:BatchMatMulV3 "
+    math += "bincount:Bincount dense_bincount:DenseBincount cast:Cast "
+    math += " ".join(f"segment_{kind}:Segment" for kind in ("sum", "sum_v2", "mean", "max"))
+    math += " ".join(f" segment_{kind}:Segment" for kind in ("min", "prod"))
+    math += " ".join(f" unsorted_segment_{k}:Segment" for k in ("sum", "max", "min", "prod"))
+    math += " ".join(f" sparse_segment_{k}:SparseSegment" for k in ("sum", "mean", "sqrt_n"))
+    array = "reverse_v2:ReverseV2 strided_slice:StridedSlice _slice:Slice gather_v2:GatherV2 "
+    array += "gather_nd:GatherNd pad:Pad pad_v2:Pad mirror_pad:Pad"
+    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in ("update", "add", "sub"))
+    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in ("max", "min"))
+    return [
+        *_ops(gen_math_ops, math),
+        *_ops(gen_linalg_ops, "einsum:Einsum"),
+        *_ops(gen_nn_ops, "softmax:Softmax log_softmax:Softmax"),
+        *_ops(gen_manip_ops, "roll:Roll"),
+        *_ops(gen_array_ops, array),
     ]
 
 
