@@ -79,7 +79,7 @@ __all__ = [
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
     """TensorFlow's packed batch all-reduce, the packs summed by `sum_packs(devices, packs)`:
-    `packs[d][i] = (tensor_i on device d, variable)`, returned with every device's the total."""
+    `packs[d][i] = (tensor_i on device d, variable)`, returned alike, every device's the total."""
 
     def __init__(self, sum_packs: Callable, num_packs: int = 1) -> None:
         super().__init__(num_packs=num_packs)
@@ -221,15 +221,15 @@ def mixing_functions() -> list[tuple[object, str, str]]:
     `tf.gather_nd`, the scatters, `tf.pad` and `tf.cast` (of a row count to a number), and Keras'
     `ops` that call them, end in these, looked up on the module when called."""
     math = "mat_mul:MatMul batch_mat_mul_v2:BatchMatMulV2 batch_mat_mul_v3:BatchMatMulV3 "
-    math += "bincount:Bincount dense_bincount:DenseBincount cast:Cast "
-    math += " ".join(f"segment_{kind}:Segment" for kind in ("sum", "sum_v2", "mean", "max"))
-    math += " ".join(f" segment_{kind}:Segment" for kind in ("min", "prod"))
-    math += " ".join(f" unsorted_segment_{k}:Segment" for k in ("sum", "max", "min", "prod"))
-    math += " ".join(f" sparse_segment_{k}:SparseSegment" for k in ("sum", "mean", "sqrt_n"))
+    math += "bincount:Bincount dense_bincount:DenseBincount cast:Cast"
+    segments = ("sum", "sum_v2", "mean", "max", "min", "prod")
+    math += "".join(f" segment_{k}:Segment" for k in segments)
+    math += "".join(f" unsorted_segment_{k}:Segment" for k in ("sum", "max", "min", "prod"))
+    math += "".join(f" sparse_segment_{k}:SparseSegment" for k in ("sum", "mean", "sqrt_n"))
     array = "reverse_v2:ReverseV2 strided_slice:StridedSlice _slice:Slice gather_v2:GatherV2 "
     array += "gather_nd:GatherNd pad:Pad pad_v2:Pad mirror_pad:Pad"
-    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in ("update", "add", "sub"))
-    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in ("max", "min"))
+    scatters = ("update", "add", "sub", "max", "min")
+    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in scatters)
     return [
         *_ops(gen_math_ops, math),
         *_ops(gen_linalg_ops, "einsum:Einsum"),
