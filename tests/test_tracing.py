@@ -1,5 +1,6 @@
 """No retracing: the training step is traced once per batch shape, however many epochs and fits
-follow (a trace costs seconds on a deep model; in a multi-process job every process pays it)."""
+follow (a trace costs seconds on a deep model; in a multi-process job every process pays it);
+and what was traced is freed with its model."""
 
 import gc
 import weakref
