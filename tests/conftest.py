@@ -62,17 +62,14 @@ def graphs_released():
     """Each `tf.custom_gradient` traced registers its gradient in TensorFlow's global registry,
     which keeps the traced graph alive for the life of the process, and every later garbage
     collection walks it (each test left 10 to 50 thousand objects alive). kmirror releases what
-    its steps register (tf_hooks.custom_gradients_released); a test also traces Keras' own steps
+    its steps register (`MirroredModel`'s steps); a test also traces Keras' own steps
     on one device (its references), whose all-reduce on the default strategy is a custom
     gradient: released here."""
-    # The registry has no public API; checked on TensorFlow 2.21.0 and 2.19.1, as tf_hooks.
-    from tensorflow.python.framework import ops
+    from kmirror._core import tf_hooks
 
-    before = set(ops._gradient_registry._registry)
+    kept = tf_hooks.custom_gradients()
     yield
-    for name in set(ops._gradient_registry._registry) - before:
-        if name.startswith("CustomGradient-"):
-            del ops._gradient_registry._registry[name]
+    tf_hooks.release_custom_gradients(kept)
 
 
 def cpus(n: int) -> list[str]:

@@ -24,6 +24,7 @@ one class. The names it answers as the user's model are `_core.answering`'s.
 from __future__ import annotations
 
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -51,14 +52,26 @@ from kmirror.reducers.base import Reducer
 __all__ = ["MirroredModel"]
 
 
+_tracing: list = []  # per step being traced: the custom gradients as the first one began
+_tracing_lock = threading.Lock()
+
+
 def _released(step_method):
-    """A step whose traced graph is freed with its model: TensorFlow's gradient registry keeps
-    what a step's custom gradients registered (`tf_hooks.custom_gradients_released`)."""
+    """A step whose traced graph is freed with its model: each `tf.custom_gradient` traced stays
+    in TensorFlow's gradient registry, holding its graph alive, until released; here once the last
+    step traced at once has returned (each step's gradients are taken within it)."""
 
     @functools.wraps(step_method)
     def method(self, data):
-        with tf_hooks.custom_gradients_released():
+        with _tracing_lock:
+            _tracing.append(_tracing[0] if _tracing else tf_hooks.custom_gradients())
+        try:
             return step_method(self, data)
+        finally:
+            with _tracing_lock:
+                before = _tracing.pop()
+                if not _tracing:
+                    tf_hooks.release_custom_gradients(before)
 
     return method
 

@@ -24,16 +24,15 @@ TensorFlow has no public API for these things kmirror needs:
   a softmax, a segment sum, a slice, ...), which run such a call on the whole batch;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU);
-- the gradient registry, from which `custom_gradients_released` removes what a traced step's
-  `tf.custom_gradient`s registered there (and with it the step's graph, kept alive otherwise).
+- the gradient registry's custom gradients (`custom_gradients`), which a traced step's
+  `tf.custom_gradient`s leave there, keeping the step's graph alive until released
+  (`release_custom_gradients`).
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -73,13 +72,17 @@ __all__ = [
     "read_as_numbers",
     "reduction_functions",
     "mixing_functions",
-    "custom_gradients_released",
+    "custom_gradients",
+    "release_custom_gradients",
 ]
 
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
-    """TensorFlow's packed batch all-reduce, the packs summed by `sum_packs(devices, packs)`:
-    `packs[d][i] = (tensor_i on device d, variable)`, returned alike, every device's the total."""
+    """TensorFlow's packed batch all-reduce with the sum of the packs done by `sum_packs`.
+
+    `sum_packs(devices, packs)` receives `packs[d][i] = (tensor_i on device d, variable)` and
+    returns the same layout with every device holding the total.
+    """
 
     def __init__(self, sum_packs: Callable, num_packs: int = 1) -> None:
         super().__init__(num_packs=num_packs)
@@ -113,7 +116,9 @@ def seed_state() -> tuple | None:
     """TensorFlow's global seed and the state of the generator its eager operations' seeds are
     drawn from (None when no global seed was set: every process draws differently)."""
     eager = context.context()
-    return None if eager._seed is None else (eager._seed, eager._rng.getstate())
+    if eager._seed is None:
+        return None
+    return eager._seed, eager._rng.getstate()
 
 
 def started() -> bool:
@@ -131,27 +136,16 @@ def strategy_of(variable: tf.Variable) -> tf.distribute.Strategy | None:
     return getattr(variable, "_distribute_strategy", None)
 
 
-_tracing: list = []  # per step being traced: the registry's names as the first one began
-_tracing_lock = threading.Lock()
+def custom_gradients() -> set[str]:
+    """The `tf.custom_gradient`s TensorFlow's global gradient registry holds: one per call while
+    tracing, each holding the graph it was traced in alive for the life of the process."""
+    return {n for n in tf_ops._gradient_registry._registry if n.startswith("CustomGradient-")}
 
 
-@contextlib.contextmanager
-def custom_gradients_released():
-    """Around a step's Python code: what its `tf.custom_gradient`s registered in TensorFlow's
-    global gradient registry (one entry per call while tracing, holding the traced graph alive
-    for the life of the process) is removed when the last step traced at once has returned;
-    each step's gradients are taken within it."""
-    registry = tf_ops._gradient_registry._registry
-    with _tracing_lock:
-        _tracing.append(_tracing[0] if _tracing else set(registry))
-    try:
-        yield
-    finally:
-        with _tracing_lock:
-            before = _tracing.pop()
-            for name in set(registry) - before if not _tracing else ():
-                if name.startswith("CustomGradient-"):
-                    del registry[name]
+def release_custom_gradients(kept: set[str]) -> None:
+    """Removes from the registry every custom gradient but those `kept`."""
+    for name in custom_gradients() - kept:
+        del tf_ops._gradient_registry._registry[name]
 
 
 def read_as_numbers() -> None:
@@ -161,7 +155,15 @@ def read_as_numbers() -> None:
     TensorFlow does not define; calling it again changes nothing."""
     for name, convert in (("__int__", int), ("__float__", float), ("__complex__", complex)):
         if not hasattr(tf_values.DistributedVariable, name):
-            setattr(tf_values.DistributedVariable, name, lambda v, to=convert: to(v.numpy()))
+            setattr(tf_values.DistributedVariable, name, _read_as(convert))
+
+
+def _read_as(convert: Callable) -> Callable:
+    def method(self):
+        return convert(self.numpy())
+
+    method.__name__ = f"__{convert.__name__}__"
+    return method
 
 
 class _Extended(tf_collective.CollectiveAllReduceExtended):
