@@ -87,7 +87,7 @@ def build_as_one_device(model: keras.Model, step: str, data) -> None:
     device, before any replica runs it, and never run; the variables made then are mirrored
     afterwards (`_core.mirroring`), with the values one device's would have.
     """
-    tf.function(getattr(model, step)).get_concrete_function(data)
+    tf.function(getattr(model, step), autograph=False).get_concrete_function(data)
 
 
 def _run(

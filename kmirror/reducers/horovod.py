@@ -205,12 +205,12 @@ class HorovodJob(Job):
         return self._hvd.rank()
 
     def broadcast(self, variables: list) -> None:
-        # One broadcast per dtype of all variables concatenated, traced once per set of
-        # variables: Horovod negotiates each tensor separately, which costs a deep model's
-        # hundreds of variables seconds.
+        # One broadcast per dtype of all variables concatenated: Horovod negotiates each tensor
+        # separately, which costs a deep model's hundreds of variables seconds. Run eagerly: a
+        # few small ops per variable, where tracing them as a function costs a second.
         if self._hvd.size() == 1:
             return
-        self.traced_for(variables, lambda: packed_broadcast(self._hvd, variables))()
+        packed_broadcast(self._hvd, variables)
 
     @contextlib.contextmanager
     def failures(self):
