@@ -2,8 +2,12 @@
 traced graph whose rows are as many as a lookup's tokens (8): the axis a rule keeps is the one
 the op keeps, not a dimension of the same size."""
 
+import types
+
+import keras
 import tensorflow as tf
 
+from kmirror._core.keras_hooks import mixing, reductions
 from kmirror._core.keras_hooks.row_axes import NONE, RowAxes
 
 
@@ -69,3 +73,41 @@ def test_one_step_of_steps_first_rows_of_unknown_shape():
 
     trace.get_concrete_function(tf.TensorSpec((None, None, None)))
     assert found == {"step": {0}}
+
+
+def test_a_number_made_of_the_dimensions_of_other_axes_leaves_the_call_on_its_rows():
+    """A layer's cast of its input's shape to a number (`tf.shape(x)[1:]`: a row's size, as a
+    layer normalises by it) reads no count of the rows unless the axes it reads hold them: then
+    the call runs whole (a replica's count is not the batch's)."""
+    mixing.install()
+    reads = {
+        "a row's dimensions": lambda x: tf.shape(x)[1:],
+        "the last dimension": lambda x: tf.shape(x)[-1],
+        "the features' dimensions": lambda x: tf.shape(x)[1::2],
+        "the row count": lambda x: tf.shape(x)[0],
+        "the first two dimensions": lambda x: tf.shape(x)[:2],
+        "the whole shape": lambda x: tf.shape(x)[:],
+    }
+    runs_whole = {}
+
+    @tf.function
+    def trace(x):
+        rows = types.SimpleNamespace(global_statistics=True)
+        with reductions.over_rows(keras.layers.Identity(name="probe"), [x], rows):
+            for name, read in reads.items():
+                try:
+                    tf.cast(read(x), tf.float32)
+                    runs_whole[name] = False
+                except reductions.RunWhole:
+                    runs_whole[name] = True
+        return x
+
+    trace.get_concrete_function(tf.TensorSpec((None, 3, 2)))
+    assert runs_whole == {
+        "a row's dimensions": False,
+        "the last dimension": False,
+        "the features' dimensions": False,
+        "the row count": True,
+        "the first two dimensions": True,
+        "the whole shape": True,
+    }

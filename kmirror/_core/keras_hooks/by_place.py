@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmirror._core.keras_hooks import reductions
-from kmirror._core.keras_hooks.row_axes import reduced_axes
+from kmirror._core.keras_hooks.row_axes import reduced_axes, shape_read
 
 __all__ = ["RULES", "held", "rank", "over", "named_axes", "static"]
 
@@ -131,11 +131,10 @@ def _counts_rows(tensor, depth: int = 8) -> bool:
         return False
     if op.type in ("Shape", "Size"):
         return bool(held(op.inputs[0]))
-    if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape":
-        shaped = op.inputs[0].op.inputs[0]
-        first, dims = _elements(op.inputs[1]), rank(shaped)
-        one = op.get_attr("shrink_axis_mask") & 1 and first and first[0] is not None and dims
-        return bool(held(shaped) & {first[0] % dims}) if one else bool(held(shaped))
+    read = shape_read(tensor)
+    if read is not None:  # the dimensions of some axes: the rows' count if they hold the rows
+        shaped, axes = read
+        return bool(held(shaped) & axes) if axes is not None else bool(held(shaped))
     if depth == 0 or op.type not in _COUNTING:
         return False
     return any(_counts_rows(source, depth - 1) for source in op.inputs)

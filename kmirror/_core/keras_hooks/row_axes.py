@@ -1,14 +1,13 @@
 """Which axes of a tensor computed in a layer call hold the rows of the call.
 
-A replica computes a layer call on its rows of the batch. A tensor of the call holds those rows
-in some of its axes: its inputs in axis 0; a `Dense` or a convolution's output in axis 0 as well;
-a transpose moves them; a reshape may merge them with other values (`(rows, T, D)` to
-`(rows*T, D)`, still in axis 0) or part them into groups over two axes (`(rows, D)` to
-`(4, rows/4, D)`, in axes 0 and 1). A statistic over the rows holds none: it is one value for
-all of them. `RowAxes.of` says which, from the traced graph: each op's rule, from where its inputs
-hold the rows. An op with no rule of its own keeps an input's row axis where its output has the
-same dimension there (unknown in both, or equal): at the same axis, else aligned from the last
-axis as broadcasting aligns them.
+A replica computes a layer call on its rows of the batch. A tensor of the call holds those rows in
+some of its axes: its inputs in axis 0; a `Dense` or a convolution's output in axis 0 as well; a
+transpose moves them; a reshape may merge them with other values (`(rows, T, D)` to `(rows*T, D)`,
+still in axis 0) or part them into groups over two axes (`(rows, D)` to `(4, rows/4, D)`, in axes 0
+and 1). A statistic over the rows holds none: it is one value for all of them. `RowAxes.of` says
+which, from the traced graph: each op's rule, from where its inputs hold the rows. An op with no
+rule of its own keeps an input's row axis where its output has the same dimension there (unknown in
+both, or equal): at the same axis, else aligned from the last axis as broadcasting aligns them.
 
 The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
 compute from them (a weight, a constant, a captured table) holds no rows (`None`).
@@ -21,7 +20,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["RowAxes", "NONE"]
+__all__ = ["RowAxes", "NONE", "shape_read"]
 
 #: Computed from the rows, with no axis holding them (a statistic, a shape).
 NONE: frozenset = frozenset()
@@ -29,6 +28,7 @@ NONE: frozenset = frozenset()
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
 _SHAPES = {"Shape", "ShapeN", "Size", "Rank"}
 _SLICES = {"Slice", "Pad", "PadV2", "MirrorPad"}
+_MASKS = ("begin", "end", "ellipsis", "new_axis", "shrink_axis")
 
 
 class RowAxes:
@@ -148,7 +148,7 @@ def _reshaped(axes: RowAxes, op, rows: frozenset) -> frozenset:
     if rows != {0} or target.shape.rank is None or target.shape.rank == 0:
         return NONE
     first = _first_asked(op.inputs[1])
-    if tf.is_tensor(first) and _is_row_count(first, axes):
+    if (read := shape_read(first)) and read[1] == {0} and axes.of(read[0]) == {0}:  # shape(x)[0]
         return frozenset({0})
     per_row = _size(source.shape[1:])
     dims = list(target.shape)
@@ -192,15 +192,19 @@ def _static_int(tensor) -> int | None:
     return None if None in dims else math.prod(dims)
 
 
-def _is_row_count(tensor, axes: RowAxes) -> bool:
-    """Whether `tensor` is `tf.shape(x)[0]` of a tensor holding the rows in axis 0."""
-    op = tensor.op
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-        return False
-    begin = tf.get_static_value(op.inputs[1])
-    shaped = op.inputs[0].op.inputs[0]
-    first = None if begin is None else int(np.asarray(begin).reshape(-1)[0])
-    return first == 0 and axes.of(shaped) == {0}
+def shape_read(tensor) -> tuple | None:
+    """For a slice of a tensor's shape (`tf.shape(x)[0]`, `tf.shape(x)[1:]`): `(x, the axes of x
+    whose dimensions it reads)`, those axes None where not known; None for any other tensor."""
+    op = getattr(tensor, "op", None)
+    if op is None or op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+        return None
+    shaped, bounds = op.inputs[0].op.inputs[0], [tf.get_static_value(t) for t in op.inputs[1:]]
+    rank, mask = shaped.shape.rank, {n: op.get_attr(f"{n}_mask") & 1 for n in _MASKS}
+    if rank is None or any(b is None for b in bounds) or mask["new_axis"] or mask["ellipsis"]:
+        return shaped, None
+    begin, end, stride = (int(np.asarray(b).reshape(-1)[0]) for b in bounds)
+    picked = range(rank)[None if mask["begin"] else begin : None if mask["end"] else end : stride]
+    return shaped, {begin % rank} if mask["shrink_axis"] else set(picked)
 
 
 def _kept(tensor, inputs, held: list) -> frozenset:
