@@ -85,7 +85,8 @@ def build_as_one_device(model: keras.Model, step: str, data) -> None:
     sub-models made without an `Input`, a model with no `call()`, its optimizers at their first
     update, its compiled loss if the step uses it. So does kmirror: the step is traced once on one
     device, before any replica runs it, and never run; the variables made then are mirrored
-    afterwards (`_core.mirroring`), with the values one device's would have.
+    afterwards (`_core.mirroring`), with the values one device's would have. It is traced as
+    Keras traces a step, without autograph.
     """
     tf.function(getattr(model, step), autograph=False).get_concrete_function(data)
 

@@ -200,7 +200,7 @@ def shape_read(tensor) -> tuple | None:
         return None
     shaped, bounds = op.inputs[0].op.inputs[0], [tf.get_static_value(t) for t in op.inputs[1:]]
     rank, mask = shaped.shape.rank, {n: op.get_attr(f"{n}_mask") & 1 for n in _MASKS}
-    if rank is None or any(b is None for b in bounds) or mask["new_axis"] or mask["ellipsis"]:
+    if not rank or any(b is None for b in bounds) or mask["new_axis"] or mask["ellipsis"]:
         return shaped, None
     begin, end, stride = (int(np.asarray(b).reshape(-1)[0]) for b in bounds)
     picked = range(rank)[None if mask["begin"] else begin : None if mask["end"] else end : stride]
