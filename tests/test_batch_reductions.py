@@ -9,6 +9,7 @@ rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over 
 too."""
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import tensorflow as tf
 from batch_steps import compiled_batch_statistics
 from conftest import cpus
-from global_steps import labelled
+from global_steps import MeanSquareStep, labelled
 from keras import layers as L
 from keras import ops
 from models import Weights, assert_same_history, max_weight_difference
@@ -294,3 +295,42 @@ def test_a_call_run_whole_keeps_the_mask_of_its_rows():
         history = wrapped.fit(tokens, labels, batch_size=36, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(reference, wrapped) < 1e-10
     assert_same_history(expected.history, history.history, rtol=1e-10, atol=1e-10)
+
+
+class MeanOfRows(L.Layer):
+    """The mean of the rows of its call added to each row."""
+
+    def call(self, x):
+        return x + ops.mean(x, axis=0)
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
+def test_in_eager_mode_a_reduction_over_the_rows_warns_naming_the_layer(own_step):
+    """In eager mode (`run_eagerly=True`) a tensor does not say where it comes from: each
+    replica reduces over its own rows. BatchNormalization's statistics and a layer's mean over its
+    rows are named in a warning; LayerNormalization's (over each row's features) are not, nor is
+    anything in the traced step."""
+    x, y = _data(37)
+    seen = {}
+    for eager in (True, False):
+        keras.utils.set_random_seed(1)
+        model = (MeanSquareStep if own_step else keras.Sequential)(
+            [
+                keras.Input((x.shape[1],)),
+                L.Dense(8),
+                L.BatchNormalization(name="statistics"),
+                MeanOfRows(name="centred"),
+                L.LayerNormalization(name="each_row"),
+                L.Dense(y.shape[1]),
+            ]
+        )
+        model.compile(optimizer="sgd", loss=None if own_step else "mse", run_eagerly=eager)
+        wrapped = kmirror.wrap(model, devices=cpus(2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped.fit(x, y, batch_size=18, epochs=1, verbose=0)
+        seen[eager] = [str(w.message) for w in caught if "in eager mode" in str(w.message)]
+    named = [m.split("layer ")[1].split(" takes")[0] for m in seen[True]]
+    assert sorted(set(named)) == ["'centred' (MeanOfRows)", "'statistics' (BatchNormalization)"]
+    assert "run_eagerly=False" in seen[True][0] and "a mean" in seen[True][0]
+    assert seen[False] == []

@@ -1,11 +1,11 @@
 """A reduction over the rows of a layer call is the whole batch's, as on one device.
 
-While a replica computes a layer call on its rows (kmirror's step: the model's call; a model's
-own step: each call the step makes), a layer that reduces over the rows of its call (the batch's
-mean, its moments, a loss it adds as a mean over them) would see only the replica's rows. Every
-reduction of TensorFlow, Keras and NumPy-like code ends in a few of TensorFlow's functions
-(`tf_hooks.reduction_functions`), replaced once. In a call on a replica's rows they ask where
-the reduced tensor holds the rows (`row_axes`):
+While a replica computes a layer call on its rows (kmirror's step: the model's call; a model's own
+step: each call the step makes), a layer that reduces over the rows of its call (the batch's mean,
+its moments, a loss it adds as a mean over them) would see only the replica's rows. Every reduction
+of TensorFlow, Keras and NumPy-like code ends in a few of TensorFlow's functions
+(`tf_hooks.reduction_functions`), replaced once. In a call on a replica's rows they ask where the
+reduced tensor holds the rows (`row_axes`):
 
 - a sum or a mean over every axis holding the rows is the whole batch's: the sum over every
   replica of its rows' sum (and count). Going backward, each replica's rows get the gradient of
@@ -17,7 +17,8 @@ the reduced tensor holds the rows (`row_axes`):
 Anything else (over other axes, a weight, data the model holds) is Keras' own; so is every
 reduction outside such a call, or while kmirror computes its own values (`paused`: a loss'
 normaliser, weighted by the replica's share of the rows instead, `replica`). In eager mode
-(`run_eagerly=True`) a tensor does not say where it comes from: reductions stay the replica's.
+(`run_eagerly=True`) a tensor does not say where it comes from: reductions stay the replica's, and
+one that may be over the rows warns (`eager_rows`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import NoReturn
 import tensorflow as tf
 
 from kmirror._core import tf_hooks
-from kmirror._core.keras_hooks import batch_sums
+from kmirror._core.keras_hooks import batch_sums, eager_rows
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 
@@ -51,6 +52,7 @@ class _Call:
     axes: RowAxes
     rows: Rows
     layers: list = field(default_factory=list)  # the calls running, outermost first
+    eager: int | None = None  # in eager mode, the call's row count (`eager_rows`)
     #: The ops computing the whole batch's reductions, and which ops are computed from them.
     whole: dict = field(default_factory=dict)
     #: (layer, the reduction's description): a call asked to run on the whole batch.
@@ -66,16 +68,21 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def over_rows(layer, seeds, rows: Rows) -> Iterator[None]:
-    """Within this block (on this thread) `layer` is called on the replica's rows: `seeds` (the
-    tensors of the call that are rows of the batch) and what is computed from them."""
-    install()
-    previous = getattr(_state, "call", None)
-    _state.call = _Call(RowAxes(seeds), rows, [layer])
+def _set(name: str, value) -> Iterator[None]:
+    """Within this block this thread's `name` is `value`."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.call = previous
+        setattr(_state, name, previous)
+
+
+def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
+    """Within this block (on this thread) `layer` is called on the replica's rows: `seeds` (the
+    tensors of the call that are rows of the batch) and what is computed from them."""
+    install()
+    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager_rows.row_count(seeds)))
 
 
 @contextlib.contextmanager
@@ -89,25 +96,14 @@ def within(layer) -> Iterator[None]:
         call.layers.pop()
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
+def paused() -> contextlib.AbstractContextManager:
     """Within this block reductions are TensorFlow's own (kmirror's own values)."""
-    previous = getattr(_state, "paused", False)
-    _state.paused = True
-    try:
-        yield
-    finally:
-        _state.paused = previous
+    return _set("paused", True)
 
 
-@contextlib.contextmanager
-def outside() -> Iterator[None]:
+def outside() -> contextlib.AbstractContextManager:
     """In this block no call runs on the replica's rows (a call run whole: `whole_calls`)."""
-    previous, _state.call = getattr(_state, "call", None), None
-    try:
-        yield
-    finally:
-        _state.call = previous
+    return _set("call", None)
 
 
 def whole_asked(layer) -> str | None:
@@ -185,12 +181,15 @@ def _replacement(original: Callable, op_type: str) -> Callable:
         given = signature.bind(*args, **kwargs).arguments
         tensor = given[names[0]]
         held = call.axes.of(tensor)
-        if not held:
+        if not held and (call.eager is None or not tf.is_tensor(tensor)):
             return original(*args, **kwargs)
         if op_type == "TopKV2":
             axes = {tensor.shape.rank - 1} if tensor.shape.rank else None
         else:
             axes = reduced_axes(given[names[1]], tensor)
+        if not held:  # eager mode
+            eager_rows.warn_if_over_rows(call.layers[-1], _NAMES[op_type], tensor, axes, call.eager)
+            return original(*args, **kwargs)
         if axes is not None and not held & axes:
             return original(*args, **kwargs)
         if op_type in _SUMS and axes is not None and held <= axes:
