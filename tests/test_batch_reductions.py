@@ -124,6 +124,33 @@ MIXING = (CrossCorrelation, RowAttention, Differences, SegmentCentred, Rolled)
 MIXING += (CountedCentred, Placed)
 
 
+class LoopCentred(L.Layer):
+    """Its rows centred twice in a `tf.while_loop`: a mean over the rows of the loop's variable."""
+
+    def call(self, x):
+        centred = lambda i, v: (i + 1, v - ops.mean(v, axis=0))  # noqa: E731
+        return tf.while_loop(lambda i, v: i < 2, centred, (0, x))[1]
+
+
+class LoopCaptured(L.Layer):
+    """The mean of its rows, read by a `tf.while_loop`'s body from the call, added twice."""
+
+    def call(self, x):
+        added = lambda i, v: (i + 1, v + ops.mean(x, axis=0))  # noqa: E731
+        return x + tf.while_loop(lambda i, v: i < 2, added, (0, tf.zeros_like(x)))[1]
+
+
+class BranchCentred(L.Layer):
+    """Its rows centred in a branch of `tf.cond`."""
+
+    def call(self, x):
+        return tf.cond(ops.sum(x) > -1e9, lambda: x - ops.mean(x, axis=0), lambda: x)
+
+
+#: Layers reducing over the rows in a function graph they build (no collective runs there).
+NESTED = (LoopCentred, LoopCaptured, BranchCentred)
+
+
 class TransposedLargest(L.Layer):
     """Given the rows in axis 1: its call cannot be joined from the replicas' rows."""
 
@@ -136,14 +163,15 @@ class TransposedLargest(L.Layer):
 WHOLE = {"GroupedSpread": (GroupedSpread, 76), "Largest": (Largest, 74), "Ranked": (Ranked, 74)}
 WHOLE["NoisyLargest"] = (NoisyLargest, 74)
 WHOLE["mixing ops"] = (MIXING, 74)
+WHOLE["loops and branches"] = (NESTED, 74)
 
 
 def _network(layer_class) -> keras.Model:
     keras.utils.set_random_seed(3)
     if layer_class is TransposedLargest:
         middle = [L.Lambda(ops.transpose), layer_class(name="coupled")]
-    elif layer_class is MIXING:
-        middle = [layer for mixing in MIXING for layer in (mixing(), L.Dense(4, "tanh"))]
+    elif isinstance(layer_class, tuple):  # MIXING, NESTED
+        middle = [layer for each in layer_class for layer in (each(), L.Dense(4, "tanh"))]
     else:
         middle = [layer_class(name="coupled")]
     return keras.Sequential([keras.Input((5,)), L.Dense(4), *middle, L.Dense(1)])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kmirror._core.keras_hooks import nested
+
 __all__ = ["Provenance"]
 
 
@@ -85,7 +87,7 @@ def _sources(op):
     enclosing graph it captures."""
     found = [t.op for t in op.inputs] + list(op.control_inputs)
     if op.type == "Placeholder":
-        for external, internal in getattr(op.graph, "captures", ()):
-            if internal.op is op and hasattr(external, "op"):
-                found.append(external.op)
+        external = nested.captured(op.outputs[0])
+        if external is not None and hasattr(external, "op"):
+            found.append(external.op)
     return found

@@ -17,8 +17,9 @@ reduced tensor holds the rows (`row_axes`):
 Anything else (over other axes, a weight, data the model holds) is Keras' own; so is every
 reduction outside such a call, or while kmirror computes its own values (`paused`: a loss'
 normaliser, weighted by the replica's share of the rows instead, `replica`). In eager mode
-(`run_eagerly=True`) a tensor does not say where it comes from: reductions stay the replica's, and
-one that may be over the rows warns (`eager_rows`).
+(`run_eagerly=True`) they stay the replica's, and one that may be over the rows warns
+(`eager_rows`). In a loop's body or a branch a call builds, a sum over the rows runs the call
+whole (`nested`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import NoReturn
 import tensorflow as tf
 
 from kmirror._core import tf_hooks
-from kmirror._core.keras_hooks import batch_sums, eager_rows
+from kmirror._core.keras_hooks import batch_sums, eager_rows, nested
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 
@@ -122,8 +123,7 @@ def watching() -> bool:
 
 def ask_whole(what: str) -> NoReturn:
     """The innermost call asks to run on the whole batch: `what` it does over its rows."""
-    call = _state.call
-    layer = call.layers[-1]
+    call, layer = _state.call, _state.call.layers[-1]
     call.asked = (
         layer,
         f"kmirror: layer '{layer.name}' ({type(layer).__name__}) {what}. A replica holds only "
@@ -165,9 +165,8 @@ def from_whole_batch(value) -> bool:
 
 def _current() -> _Call | None:
     call = getattr(_state, "call", None)
-    if call is None or getattr(_state, "paused", False) or not call.rows.global_statistics:
-        return None
-    return call
+    still = call is None or getattr(_state, "paused", False) or not call.rows.global_statistics
+    return None if still else call
 
 
 def _replacement(original: Callable, op_type: str) -> Callable:
@@ -192,7 +191,8 @@ def _replacement(original: Callable, op_type: str) -> Callable:
             return original(*args, **kwargs)
         if axes is not None and not held & axes:
             return original(*args, **kwargs)
-        if op_type in _SUMS and axes is not None and held <= axes:
+        inside = nested.inside(call.axes.graph)  # no collective can run there
+        if op_type in _SUMS and axes is not None and held <= axes and not inside:
             keepdims = bool(given.get("keep_dims", False))
             with paused():
                 value = batch_sums.whole_batch(
@@ -200,7 +200,7 @@ def _replacement(original: Callable, op_type: str) -> Callable:
                 )
             call.whole[value.op] = True
             return value
-        ask_whole(_described(op_type, held, axes))
+        ask_whole(_described(op_type, held, axes, inside))
 
     reduction.__name__ = original.__name__
     return reduction
@@ -224,9 +224,10 @@ _NAMES = {
 }
 
 
-def _described(op_type: str, held, axes) -> str:
+def _described(op_type: str, held, axes, inside: bool) -> str:
     known = sorted(axes) if axes is not None else "unknown"
     grouped = " (the rows regrouped: a statistic per group of rows)" if op_type in _SUMS else ""
+    grouped = " in a loop's body or a condition's branch it builds" if inside else grouped
     return (
         f"takes {_NAMES[op_type]} over axes {known} of a tensor holding the rows of its call in "
         f"axes {sorted(held)}{grouped}"

@@ -10,7 +10,8 @@ rule of its own keeps an input's row axis where its output has the same dimensio
 both, or equal): at the same axis, else aligned from the last axis as broadcasting aligns them.
 
 The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
-compute from them (a weight, a constant, a captured table) holds no rows (`None`).
+compute from them (a weight, a constant, a captured table) holds no rows (`None`). In a function
+graph the call builds, a loop's variable may hold them (`nested.loop_rows`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 
 import numpy as np
 import tensorflow as tf
+
+from kmirror._core.keras_hooks import nested
 
 __all__ = ["RowAxes", "NONE", "shape_read"]
 
@@ -35,6 +38,7 @@ class RowAxes:
     """Where the rows of one replica's layer call sit in the tensors the call computes."""
 
     def __init__(self, seeds) -> None:
+        self.graph = tf.compat.v1.get_default_graph()  # the call's
         self._known: dict = {}  # a tensor's ref -> the axes holding the rows, or None
         for seed in seeds:
             if _symbolic(seed) and seed.shape.rank:
@@ -62,10 +66,10 @@ class RowAxes:
 
     def _rule(self, tensor, held: list) -> frozenset | None:
         op = tensor.op
+        if op.type == "Placeholder":  # of a nested function: a capture, or a loop's variable
+            return held[0] if held else nested.loop_rows(tensor, self.graph)
         if all(h is None for h in held):
             return None
-        if op.type == "Placeholder":  # a nested function's capture of the enclosing graph
-            return held[0]
         if op.type in _SHAPES or tensor.shape.rank is None:
             return NONE
         rows = held[0] if op.inputs else None
@@ -235,15 +239,11 @@ def _size(dims) -> int | None:
 
 
 def _sources(tensor) -> list:
-    """The tensors `tensor` is computed from: its op's inputs, or for a placeholder of a nested
-    function (a branch of a condition), the tensor of the enclosing graph it captures."""
-    op = tensor.op
-    if op.type == "Placeholder":
-        for external, internal in getattr(op.graph, "captures", ()):
-            if internal is tensor and _symbolic(external):
-                return [external]
-        return []
-    return list(op.inputs)
+    """The tensors `tensor` is computed from: its op's inputs, or what a placeholder captures."""
+    if tensor.op.type == "Placeholder":
+        external = nested.captured(tensor)
+        return [external] if _symbolic(external) else []
+    return list(tensor.op.inputs)
 
 
 def _symbolic(tensor) -> bool:
