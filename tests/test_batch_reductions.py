@@ -1,12 +1,13 @@
 """A reduction over the rows of a layer call that is not a sum or a mean over all of them (a
 standard deviation over groups of rows, a maximum, a sort), and an op that combines the rows of
-the call otherwise (a product over them, a softmax, a segment mean, a slice or a roll of them),
-runs the layer's call on the whole batch on every replica: training equals one device, in
-kmirror's step and in a model's own step, with a final batch smaller than the replica count.
-Where the call's input holds the rows in another axis it is refused at the first step, naming
-the layer and the operation, and the weights are left as they were. The sums and means over the
-rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the whole batch
-too."""
+the call otherwise (a product over them, a softmax, a segment mean, a slice, a roll or a
+convolution along them), runs the layer's call on the whole batch on every replica (so does a
+sum over the rows in a loop's body or a condition's branch the call builds): training equals one
+device, in kmirror's step and in a model's own step, with a final batch smaller than the replica
+count. Where the call's input holds the rows in another axis it is refused at the first step,
+naming the layer and the operation, and the weights are left as they were. The sums and means
+over the rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the
+whole batch too. In eager mode a reduction that may be over the rows is named in a warning."""
 
 import functools
 import warnings
@@ -119,9 +120,20 @@ class Placed(L.Layer):
         return first + tf.gather_nd(x, [[1]])
 
 
+class RowConvolution(L.Layer):
+    """A convolution along the rows, the batch taken as one sequence, then a pooling of them."""
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(3, shape[-1], shape[-1]), name="kernel")
+
+    def call(self, x):
+        sequence = ops.conv(x[None], self.kernel, padding="same")
+        return ops.max_pool(sequence, 2, 1, padding="same")[0]
+
+
 #: Layers combining the rows of their call, each in one network (a tanh `Dense` after each).
 MIXING = (CrossCorrelation, RowAttention, Differences, SegmentCentred, Rolled)
-MIXING += (CountedCentred, Placed)
+MIXING += (CountedCentred, Placed, RowConvolution)
 
 
 class LoopCentred(L.Layer):

@@ -58,23 +58,10 @@ from tensorflow.python.ops import (  # noqa: E402
     gen_nn_ops,
 )
 
-__all__ = [
-    "GroupedAllReduce",
-    "multi_worker_strategy",
-    "publish",
-    "read_published",
-    "unpublish",
-    "seed_state",
-    "started",
-    "collectives_configured",
-    "slurm_tasks",
-    "strategy_of",
-    "read_as_numbers",
-    "reduction_functions",
-    "mixing_functions",
-    "custom_gradients",
-    "release_custom_gradients",
-]
+__all__ = ["GroupedAllReduce", "multi_worker_strategy", "publish", "read_published", "unpublish"]
+__all__ += ["seed_state", "started", "collectives_configured", "slurm_tasks", "strategy_of"]
+__all__ += ["read_as_numbers", "reduction_functions", "mixing_functions", "custom_gradients"]
+__all__ += ["release_custom_gradients"]
 
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
@@ -220,8 +207,8 @@ def mixing_functions() -> list[tuple[object, str, str]]:
     """(module, function, op type) of the functions that make TensorFlow's ops which can combine
     values of different rows of a tensor: `tf.matmul`, `tf.einsum`, `tf.nn.softmax`, the segment
     reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather`,
-    `tf.gather_nd`, the scatters, `tf.pad` and `tf.cast` (of a row count to a number), and Keras'
-    `ops` that call them, end in these, looked up on the module when called."""
+    `tf.gather_nd`, the scatters, `tf.pad`, `tf.cast` (of a row count to a number), convolutions
+    and poolings, and Keras' `ops` that call them, end in these, looked up when called."""
     math = "mat_mul:MatMul batch_mat_mul_v2:BatchMatMulV2 batch_mat_mul_v3:BatchMatMulV3 "
     math += "bincount:Bincount dense_bincount:DenseBincount cast:Cast"
     segments = ("sum", "sum_v2", "mean", "max", "min", "prod")
@@ -232,10 +219,13 @@ def mixing_functions() -> list[tuple[object, str, str]]:
     array += "gather_nd:GatherNd pad:Pad pad_v2:Pad mirror_pad:Pad"
     scatters = ("update", "add", "sub", "max", "min")
     array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in scatters)
+    windows = "conv2d:Conv conv3d:Conv conv:Conv conv2d_backprop_input:ConvTranspose "
+    windows += "conv3d_backprop_input_v2:ConvTranspose depthwise_conv2d_native:DepthwiseConv "
+    windows += "max_pool:Pool max_pool_v2:Pool avg_pool:Pool max_pool3d:Pool avg_pool3d:Pool"
     return [
         *_ops(gen_math_ops, math),
         *_ops(gen_linalg_ops, "einsum:Einsum"),
-        *_ops(gen_nn_ops, "softmax:Softmax log_softmax:Softmax"),
+        *_ops(gen_nn_ops, "softmax:Softmax log_softmax:Softmax " + windows),
         *_ops(gen_manip_ops, "roll:Roll"),
         *_ops(gen_array_ops, array),
     ]

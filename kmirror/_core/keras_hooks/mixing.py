@@ -3,10 +3,11 @@
 Beside reductions (`reductions`), a layer's call can combine its rows with ops whose value at
 one row reads others: a matrix product or einsum summing over the rows (a Gram matrix or a
 cross-correlation of the batch) or pairing rows with each other (attention over the batch), a
-softmax, a segment reduction or a count over the rows, a roll or reversal of them, a slice, a
-padding or a gather that takes rows by their place in the batch (`x[1:] - x[:-1]`, `x[0]`). A
-replica would compute these over its share of the rows only: each asks for the layer whose call
-makes it to run on the whole batch (`reductions.ask_whole`, `whole_calls`), where it is exact.
+softmax, a segment reduction or a count over the rows, a roll or reversal of them, a convolution
+or pooling along them, a slice, a padding or a gather that takes rows by their place in the batch
+(`x[1:] - x[:-1]`, `x[0]`). A replica would compute these over its share of the rows only: each
+asks for the layer whose call makes it to run on the whole batch (`reductions.ask_whole`,
+`whole_calls`), where it is exact.
 
 Each rule says, from where its inputs hold the rows (`reductions.held`), whether the op combines
 them; an op over other axes (a `Dense` layer's product with its kernel, attention within each
@@ -106,6 +107,25 @@ def _dense_bincount(given) -> str | None:
     return over(given["input"], _last(given["input"]), "counts values")
 
 
+def _window(argument: str, channels: bool, what: str) -> Callable:
+    """A convolution or pooling of `argument` (`avg_pool` calls it `value`): over every axis
+    but the batch's (the first `batch_dims`), or over its spatial axes only (`channels` False: a
+    depthwise convolution, a pooling), which the data format places after or before the
+    channels."""
+
+    def rule(given) -> str | None:
+        tensor, batch = given.get(argument, given.get("value")), given.get("batch_dims", 1)
+        dims = rank(tensor)
+        if dims is None:
+            return over(tensor, None, what)
+        axes = set(range(batch, dims))
+        if not channels:
+            axes -= {1 if str(given.get("data_format", "")).startswith("NC") else dims - 1}
+        return over(tensor, axes, what)
+
+    return rule
+
+
 def _along(argument: str, what: str) -> Callable:
     def rule(given) -> str | None:
         return over(given[argument], named_axes(given["axis"], given[argument]), what)
@@ -125,6 +145,10 @@ _RULES: dict[str, Callable] = {
     "DenseBincount": _dense_bincount,
     "Roll": _along("input", "rolls the values"),
     "ReverseV2": _along("tensor", "reverses the values"),
+    "Conv": _window("input", True, "convolves the values"),
+    "ConvTranspose": _window("out_backprop", True, "convolves the values (transposed)"),
+    "DepthwiseConv": _window("input", False, "convolves the values"),
+    "Pool": _window("input", False, "pools the values"),
     **by_place.RULES,
 }
 
