@@ -11,7 +11,12 @@ The layers, each computing from the whole batch of its call on one device:
 - `BatchStandardized`: a normalisation by the batch's moments (`tf.nn.moments` over axis 0),
   which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows);
 - `BatchAttention`: each row attends to every row of the batch (a product of the rows with
-  each other, a softmax over the rows, a product summing over them; kmirror runs its call whole).
+  each other, a softmax over the rows, a product summing over them; kmirror runs its call whole);
+- `LoopCentred`: in a branch of `tf.cond`, its rows centred twice in a `tf.while_loop` (a mean
+  over the rows of the loop's variable), with the mean of the call's rows read by the loop's
+  body (no sum over the replicas can run there: kmirror runs its call whole);
+- `RowConvolution`: a convolution along the rows, the batch taken as one sequence, and a pooling
+  of them (kmirror runs its call whole).
 
 `compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
 reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
@@ -73,6 +78,26 @@ class BatchAttention(L.Layer):
         return x + ops.matmul(ops.softmax(scores, axis=-1), x)
 
 
+class LoopCentred(L.Layer):
+    def call(self, x):
+        def centred(i, v):
+            return i + 1, v - ops.mean(v, axis=0) + 0.5 * ops.mean(x, axis=0)
+
+        def loop():
+            return tf.while_loop(lambda i, v: i < 2, centred, (0, x))[1]
+
+        return tf.cond(ops.sum(x) > -1e9, loop, lambda: x)
+
+
+class RowConvolution(L.Layer):
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(3, shape[-1], shape[-1]), name="kernel")
+
+    def call(self, x):
+        sequence = ops.conv(x[None], self.kernel, padding="same")
+        return x + ops.max_pool(sequence, 2, 1, padding="same")[0]
+
+
 def _network() -> keras.Model:
     return keras.Sequential(
         [
@@ -84,6 +109,8 @@ def _network() -> keras.Model:
             BatchContext(),
             L.Dense(6, "tanh"),
             BatchAttention(),
+            LoopCentred(),
+            RowConvolution(),
             BatchSpread(),
             L.Dense(2),
         ]

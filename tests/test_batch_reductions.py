@@ -1,13 +1,13 @@
 """A reduction over the rows of a layer call that is not a sum or a mean over all of them (a
 standard deviation over groups of rows, a maximum, a sort), and an op that combines the rows of
-the call otherwise (a product over them, a softmax, a segment mean, a slice, a roll or a
-convolution along them), runs the layer's call on the whole batch on every replica (so does a
-sum over the rows in a loop's body or a condition's branch the call builds): training equals one
-device, in kmirror's step and in a model's own step, with a final batch smaller than the replica
-count. Where the call's input holds the rows in another axis it is refused at the first step,
-naming the layer and the operation, and the weights are left as they were. The sums and means
-over the rows are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the
-whole batch too. In eager mode a reduction that may be over the rows is named in a warning."""
+the call otherwise (a product over them, a softmax, a segment mean, a slice or a roll of them),
+runs the layer's call on the whole batch on every replica: training equals one device, in
+kmirror's step and in a model's own step, with a final batch smaller than the replica count.
+Where the call's input holds the rows in another axis it is refused at the first step, naming
+the layer and the operation, and the weights are left as they were. The sums and means over the
+rows, and ops over the rows in a loop's body or a condition's branch and a convolution along the
+rows, are in the exactness matrix (tests/batch_steps.py); `predict` reduces over the whole batch
+too. In eager mode a reduction that may be over the rows is named in a warning."""
 
 import functools
 import warnings
@@ -120,47 +120,9 @@ class Placed(L.Layer):
         return first + tf.gather_nd(x, [[1]])
 
 
-class RowConvolution(L.Layer):
-    """A convolution along the rows, the batch taken as one sequence, then a pooling of them."""
-
-    def build(self, shape):
-        self.kernel = self.add_weight(shape=(3, shape[-1], shape[-1]), name="kernel")
-
-    def call(self, x):
-        sequence = ops.conv(x[None], self.kernel, padding="same")
-        return ops.max_pool(sequence, 2, 1, padding="same")[0]
-
-
 #: Layers combining the rows of their call, each in one network (a tanh `Dense` after each).
 MIXING = (CrossCorrelation, RowAttention, Differences, SegmentCentred, Rolled)
-MIXING += (CountedCentred, Placed, RowConvolution)
-
-
-class LoopCentred(L.Layer):
-    """Its rows centred twice in a `tf.while_loop`: a mean over the rows of the loop's variable."""
-
-    def call(self, x):
-        centred = lambda i, v: (i + 1, v - ops.mean(v, axis=0))  # noqa: E731
-        return tf.while_loop(lambda i, v: i < 2, centred, (0, x))[1]
-
-
-class LoopCaptured(L.Layer):
-    """The mean of its rows, read by a `tf.while_loop`'s body from the call, added twice."""
-
-    def call(self, x):
-        added = lambda i, v: (i + 1, v + ops.mean(x, axis=0))  # noqa: E731
-        return x + tf.while_loop(lambda i, v: i < 2, added, (0, tf.zeros_like(x)))[1]
-
-
-class BranchCentred(L.Layer):
-    """Its rows centred in a branch of `tf.cond`."""
-
-    def call(self, x):
-        return tf.cond(ops.sum(x) > -1e9, lambda: x - ops.mean(x, axis=0), lambda: x)
-
-
-#: Layers reducing over the rows in a function graph they build (no collective runs there).
-NESTED = (LoopCentred, LoopCaptured, BranchCentred)
+MIXING += (CountedCentred, Placed)
 
 
 class TransposedLargest(L.Layer):
@@ -175,14 +137,13 @@ class TransposedLargest(L.Layer):
 WHOLE = {"GroupedSpread": (GroupedSpread, 76), "Largest": (Largest, 74), "Ranked": (Ranked, 74)}
 WHOLE["NoisyLargest"] = (NoisyLargest, 74)
 WHOLE["mixing ops"] = (MIXING, 74)
-WHOLE["loops and branches"] = (NESTED, 74)
 
 
 def _network(layer_class) -> keras.Model:
     keras.utils.set_random_seed(3)
     if layer_class is TransposedLargest:
         middle = [L.Lambda(ops.transpose), layer_class(name="coupled")]
-    elif isinstance(layer_class, tuple):  # MIXING, NESTED
+    elif layer_class is MIXING:
         middle = [layer for each in layer_class for layer in (each(), L.Dense(4, "tanh"))]
     else:
         middle = [layer_class(name="coupled")]
