@@ -165,8 +165,8 @@ def from_whole_batch(value) -> bool:
 
 def _current() -> _Call | None:
     call = getattr(_state, "call", None)
-    still = call is None or getattr(_state, "paused", False) or not call.rows.global_statistics
-    return None if still else call
+    off = call is None or getattr(_state, "paused", False) or not call.rows.global_statistics
+    return None if off else call
 
 
 def _replacement(original: Callable, op_type: str) -> Callable:
