@@ -12,9 +12,10 @@ The layers, each computing from the whole batch of its call on one device:
   which adds a loss of the batch's mean activation (`add_loss` of a mean over its rows);
 - `BatchAttention`: each row attends to every row of the batch (a product of the rows with
   each other, a softmax over the rows, a product summing over them; kmirror runs its call whole);
-- `LoopCentred`: in a branch of `tf.cond`, its rows centred twice in a `tf.while_loop` (a mean
-  over the rows of the loop's variable), with the mean of the call's rows read by the loop's
-  body (no sum over the replicas can run there: kmirror runs its call whole);
+- `LoopCentred`: in a branch of `tf.cond`, its rows centred twice in a `tf.while_loop` by a
+  layer the loop's body calls (a mean over the rows of the loop's variable), with the mean of the
+  call's rows read by the body (no sum over the replicas can run there: kmirror runs the call of
+  `LoopCentred` whole);
 - `RowConvolution`: a convolution along the rows, the batch taken as one sequence, and a pooling
   of them (kmirror runs its call whole).
 
@@ -78,10 +79,19 @@ class BatchAttention(L.Layer):
         return x + ops.matmul(ops.softmax(scores, axis=-1), x)
 
 
+class Centred(L.Layer):
+    def call(self, x):
+        return x - ops.mean(x, axis=0)
+
+
 class LoopCentred(L.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.centred = Centred()
+
     def call(self, x):
         def centred(i, v):
-            return i + 1, v - ops.mean(v, axis=0) + 0.5 * ops.mean(x, axis=0)
+            return i + 1, self.centred(v) + 0.5 * ops.mean(x, axis=0)
 
         def loop():
             return tf.while_loop(lambda i, v: i < 2, centred, (0, x))[1]

@@ -69,14 +69,14 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def _set(name: str, value) -> Iterator[None]:
-    """Within this block this thread's `name` is `value`."""
-    previous = getattr(_state, name, None)
-    setattr(_state, name, value)
+def _set(name: str, value, owner=_state) -> Iterator[None]:
+    """Within this block `owner`'s (this thread's) `name` is `value`."""
+    previous = getattr(owner, name, None)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(_state, name, previous)
+        setattr(owner, name, previous)
 
 
 def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
@@ -86,15 +86,12 @@ def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
     return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager_rows.row_count(seeds)))
 
 
-@contextlib.contextmanager
-def within(layer) -> Iterator[None]:
-    """A layer called inside the call on the replica's rows (named in an error)."""
+def within(layer) -> contextlib.AbstractContextManager:
+    """A layer called inside the call on the replica's rows (named in an error, and run whole);
+    not one called in a function graph the call builds, a loop's body: the call around it."""
     call = _state.call
-    call.layers.append(layer)
-    try:
-        yield
-    finally:
-        call.layers.pop()
+    kept = [] if nested.inside(call.axes.graph) else [layer]
+    return _set("layers", call.layers + kept, owner=call)
 
 
 def paused() -> contextlib.AbstractContextManager:

@@ -3,8 +3,9 @@
 A reduction over the rows of a layer call that is not a sum or a mean over all of them (a
 standard deviation over groups of rows, as a GAN discriminator's minibatch standard deviation;
 a maximum, a sort or a top-k over the rows) cannot be computed from each replica's share of
-them (`reductions`). The layer whose call makes it (the innermost one running) then runs again,
-on the whole batch, on every replica:
+them (`reductions`). The layer whose call makes it (the innermost one running, not counting
+those a loop's body or a branch calls: the one around them) then runs again, on the whole batch,
+on every replica:
 
 - its inputs that hold the call's rows (in axis 0) are every replica's rows, joined in row order:
   each replica's rows placed at their rows of the batch, summed over the replicas. Going
