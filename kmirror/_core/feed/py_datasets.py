@@ -6,8 +6,9 @@ draws the order of the batches with Python's `random.shuffle` when `shuffle=True
 batches in that order and calls `on_epoch_end`. Before the first pass of a `fit` or `evaluate`
 (and of every validation), it calls `on_epoch_end` once more (its epoch iterator's reset), so a
 dataset that reshuffles there has reshuffled once before the first epoch. `Batches` does the same,
-at the same moments (a pass begins when its first batch is read), so training is the
-single-device one, and:
+at the same moments (a pass begins when its first batch is read, and ends once all its batches
+are loaded, before the last is handed on: when `fit` or `evaluate` returns, every pass has
+ended), so training is the single-device one, and:
 
 - for a `kmirror.data.RowDataset` in a job of several processes, each process loads only its
   rows of each batch (`load(rows)`), handed on with their place in the batch;
@@ -141,8 +142,14 @@ class Batches:
         if self.shuffle:
             random.shuffle(order)
         skip, self._skip = self._skip, 0
-        yield from self._loaded(order[skip:])
+        last = None  # held back: the pass ends when it is loaded, not when tf.data asks past it
+        for batch in self._loaded(order[skip:]):
+            if last is not None:
+                yield last
+            last = batch
         self.source.on_epoch_end()
+        if last is not None:
+            yield last
 
     def _loaded(self, order):
         workers = self.source.workers
