@@ -17,7 +17,14 @@ The layers, each computing from the whole batch of its call on one device:
   call's rows read by the body (no sum over the replicas can run there: kmirror runs the call of
   `LoopCentred` whole);
 - `RowConvolution`: a convolution along the rows, the batch taken as one sequence, and a pooling
-  of them (kmirror runs its call whole).
+  of them (kmirror runs its call whole);
+- an `LSTM` over each row's features as a sequence, whose outputs a `BatchNormalization`
+  normalises by the batch's moments: rows that leave a loop through a tensor list;
+- an `RNN` whose cell centres its input, read from a tensor list in the loop's body, by the
+  mean of the rows (kmirror runs the recurrent layer's call whole);
+- `Spectrum`: a Fourier transform along the rows, and `FirstRowRelative`: each row less the
+  first, split from the rest (ops of TensorFlow that no rule of kmirror names: it runs their
+  calls whole).
 
 `compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
 reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
@@ -108,6 +115,32 @@ class RowConvolution(L.Layer):
         return x + ops.max_pool(sequence, 2, 1, padding="same")[0]
 
 
+class CentringCell(L.Layer):
+    state_size = 3
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 3), name="kernel")
+        self.recurrent = self.add_weight(shape=(3, 3), name="recurrent")
+
+    def call(self, x, states):
+        x = x - ops.mean(x, axis=0)
+        output = ops.tanh(ops.matmul(x, self.kernel) + ops.matmul(states[0], self.recurrent))
+        return output, [output]
+
+
+class Spectrum(L.Layer):
+    def call(self, x):
+        rows = tf.transpose(x)
+        spectrum = tf.signal.fft(tf.complex(rows, tf.zeros_like(rows)))
+        return x + 0.05 * tf.transpose(tf.math.real(spectrum))
+
+
+class FirstRowRelative(L.Layer):
+    def call(self, x):
+        first, _ = tf.split(x, [1, -1], axis=0)
+        return x - 0.5 * first
+
+
 def _network() -> keras.Model:
     return keras.Sequential(
         [
@@ -121,6 +154,13 @@ def _network() -> keras.Model:
             BatchAttention(),
             LoopCentred(),
             RowConvolution(),
+            L.Reshape((3, 2)),
+            L.LSTM(4, return_sequences=True),
+            L.BatchNormalization(),
+            L.RNN(CentringCell(), return_sequences=True),
+            L.Flatten(),
+            Spectrum(),
+            FirstRowRelative(),
             BatchSpread(),
             L.Dense(2),
         ]

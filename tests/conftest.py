@@ -65,11 +65,11 @@ def graphs_released():
     its steps register (`MirroredModel`'s steps); a test also traces Keras' own steps
     on one device (its references), whose all-reduce on the default strategy is a custom
     gradient: released here."""
-    from kmirror._core import tf_hooks
+    from kmirror._core.tf_hooks import graphs
 
-    kept = tf_hooks.custom_gradients()
+    kept = graphs.custom_gradients()
     yield
-    tf_hooks.release_custom_gradients(kept)
+    graphs.release_custom_gradients(kept)
 
 
 def cpus(n: int) -> list[str]:

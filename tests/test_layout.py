@@ -12,14 +12,15 @@ LIMIT = 250
 #: Each module's layer: a module imports kmirror modules of its own layer or lower ones only.
 LAYERS = [
     # What kmirror knows of the machine, Keras and TensorFlow.
-    ["versions", "errors", "files", "devices", "tf_hooks", "keras_hooks"]
+    ["versions", "errors", "files", "devices", "tf_hooks", "tf_hooks.graphs", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.provenance", "keras_hooks.own_thread"]
     + ["keras_hooks.nested", "keras_hooks.row_axes", "keras_hooks.batch_sums"]
     + ["keras_hooks.eager_rows"]
     + ["keras_hooks.reductions"]
-    + ["keras_hooks.by_place", "keras_hooks.mixing", "keras_hooks.whole_calls"]
+    + ["keras_hooks.by_place", "keras_hooks.mixing", "keras_hooks.other_ops"]
+    + ["keras_hooks.whole_calls"]
     + ["keras_hooks.containers"]
     + ["keras_hooks.call_state", "keras_hooks.calls"]
     + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"]

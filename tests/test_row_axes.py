@@ -7,7 +7,7 @@ import types
 import keras
 import tensorflow as tf
 
-from kmirror._core.keras_hooks import mixing, reductions
+from kmirror._core.keras_hooks import mixing, other_ops, reductions
 from kmirror._core.keras_hooks.row_axes import NONE, RowAxes
 
 
@@ -75,6 +75,103 @@ def test_one_step_of_steps_first_rows_of_unknown_shape():
     assert found == {"step": {0}}
 
 
+def test_rows_through_loops_conditions_and_tensor_lists():
+    """What a loop, a condition or a tensor list gives back holds the rows where its body, its
+    branches or its elements do: a recurrent layer's outputs, collected in a `tf.TensorArray`,
+    and its last state."""
+    found = {}
+
+    @tf.function
+    def trace(x):
+        axes = RowAxes([x])
+        steps = tf.TensorArray(x.dtype, size=3).unstack(tf.transpose(x, [1, 0, 2]))
+
+        def step(t, state, outputs):
+            state = tf.tanh(steps.read(t) + state)
+            return t + 1, state, outputs.write(t, state)
+
+        collected = tf.TensorArray(x.dtype, size=3)
+        _, last, collected = tf.while_loop(
+            lambda t, *_: t < 3, step, (0, tf.zeros_like(x[:, 0]), collected)
+        )
+        cases = {
+            "a step read in the loop": steps.read(1),
+            "the last state": last,
+            "the outputs, stacked": collected.stack(),
+            "a branch's rows": tf.cond(tf.reduce_sum(x) > 0, lambda: x * 2, lambda: x),
+            "an element of a list of the rows": tf.TensorArray(x.dtype, size=4).unstack(x).read(0),
+        }
+        found.update({name: axes.of(tensor) for name, tensor in cases.items()})
+        return x
+
+    trace.get_concrete_function(tf.TensorSpec((None, 3, 2)))
+    assert found == {
+        "a step read in the loop": {0},
+        "the last state": {0},
+        "the outputs, stacked": {1},
+        "a branch's rows": {0},
+        "an element of a list of the rows": NONE,
+    }
+
+
+def runs_whole(ops: dict) -> dict:
+    """For each op (of a tensor of shape `(rows, 3, 2)`) made in a layer call on a replica's
+    rows: whether it runs the call whole, asked in the layer's name."""
+    found = {}
+
+    @tf.function
+    def trace(x):
+        rows = types.SimpleNamespace(global_statistics=True)
+        with reductions.over_rows(keras.layers.Identity(name="probe"), [x], rows):
+            for name, op in ops.items():
+                try:
+                    op(x)
+                    found[name] = False
+                except reductions.RunWhole as asked:
+                    found[name] = "layer 'probe' (Identity) " in str(asked)
+        return x
+
+    trace.get_concrete_function(tf.TensorSpec((None, 3, 2)))
+    return found
+
+
+def test_an_op_no_rule_names_runs_the_call_whole_where_it_combines_the_rows():
+    """Every op of a call over its rows is checked as it is made: one computing each row on its
+    own is TensorFlow's; any other runs the call whole, named by its kind."""
+    mixing.install()  # the ops with rules of their own, as a step installs them
+    other_ops.install()
+    ops = {
+        "each element": lambda x: tf.exp(x) * x,
+        "each row's image resized": lambda x: tf.image.resize(x[..., None], (4, 4)),
+        "a Fourier transform of each row": lambda x: tf.signal.fft(tf.complex(x, x)),
+        "a Fourier transform along the rows": lambda x: tf.signal.fft(
+            tf.complex(tf.transpose(x), 0.0)
+        ),
+        "split along the features": lambda x: tf.split(x, [1, -1], axis=1),
+        "split along the rows": lambda x: tf.split(x, [1, -1], axis=0),
+        "rows joined with rows": lambda x: tf.concat([x, 2 * x], axis=0),
+        "rows joined with values held": lambda x: tf.concat([x, tf.zeros((1, 3, 2))], axis=0),
+        "a cumulative log-sum-exp of each row": lambda x: tf.math.cumulative_logsumexp(x, 1),
+        "a cumulative log-sum-exp of the rows": lambda x: tf.math.cumulative_logsumexp(x, 0),
+        "an element of a list of the rows": lambda x: tf.TensorArray(x.dtype, 4).unstack(x).read(0),
+        "an op of a kind no rule names": lambda x: tf.raw_ops.L2Loss(t=x),
+    }
+    assert runs_whole(ops) == {
+        "each element": False,
+        "each row's image resized": False,
+        "a Fourier transform of each row": False,
+        "a Fourier transform along the rows": True,
+        "split along the features": False,
+        "split along the rows": True,
+        "rows joined with rows": False,
+        "rows joined with values held": True,
+        "a cumulative log-sum-exp of each row": False,
+        "a cumulative log-sum-exp of the rows": True,
+        "an element of a list of the rows": True,
+        "an op of a kind no rule names": True,
+    }
+
+
 def test_a_number_made_of_the_dimensions_of_other_axes_leaves_the_call_on_its_rows():
     """A layer's cast of its input's shape to a number (`tf.shape(x)[1:]`: a row's size, as a
     layer normalises by it) reads no count of the rows unless the axes it reads hold them: then
@@ -88,22 +185,10 @@ def test_a_number_made_of_the_dimensions_of_other_axes_leaves_the_call_on_its_ro
         "the first two dimensions": lambda x: tf.shape(x)[:2],
         "the whole shape": lambda x: tf.shape(x)[:],
     }
-    runs_whole = {}
-
-    @tf.function
-    def trace(x):
-        rows = types.SimpleNamespace(global_statistics=True)
-        with reductions.over_rows(keras.layers.Identity(name="probe"), [x], rows):
-            for name, read in reads.items():
-                try:
-                    tf.cast(read(x), tf.float32)
-                    runs_whole[name] = False
-                except reductions.RunWhole:
-                    runs_whole[name] = True
-        return x
-
-    trace.get_concrete_function(tf.TensorSpec((None, 3, 2)))
-    assert runs_whole == {
+    casts = {
+        name: lambda x, read=read: tf.cast(read(x), tf.float32) for name, read in reads.items()
+    }
+    assert runs_whole(casts) == {
         "a row's dimensions": False,
         "the last dimension": False,
         "the features' dimensions": False,

@@ -45,11 +45,12 @@ def test_the_chosen_reducer_runs_with_and_without_xla(jit_compile):
 
 
 class HostOnly(keras.layers.Layer):
-    """A layer XLA cannot compile: it runs a Python function on the host."""
+    """A layer XLA cannot compile: it runs a Python function on the host, on a number it holds
+    (on the rows of its call, a host function would run the call whole: it may combine them)."""
 
     def call(self, x):
-        y = tf.numpy_function(lambda a: a, [x], tf.float32)
-        return tf.ensure_shape(y, x.shape)
+        scale = tf.ensure_shape(tf.numpy_function(lambda a: a, [tf.constant(1.0)], tf.float32), [])
+        return x * scale
 
 
 def host_only_model(jit_compile):

@@ -39,7 +39,6 @@ from kmirror._core import (
     mirroring,
     own_step,
     step,
-    tf_hooks,
 )
 from kmirror._core.answering import AnswersAsModel
 from kmirror._core.callbacks import keras_own
@@ -47,6 +46,7 @@ from kmirror._core.chief_state import ChiefState
 from kmirror._core.feed import inputs as inputs_lib
 from kmirror._core.feed import placement
 from kmirror._core.feed import rows as rows_lib
+from kmirror._core.tf_hooks import graphs
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel"]
@@ -64,14 +64,14 @@ def _released(step_method):
     @functools.wraps(step_method)
     def method(self, data):
         with _tracing_lock:
-            _tracing.append(_tracing[0] if _tracing else tf_hooks.custom_gradients())
+            _tracing.append(_tracing[0] if _tracing else graphs.custom_gradients())
         try:
             return step_method(self, data)
         finally:
             with _tracing_lock:
                 before = _tracing.pop()
                 if not _tracing:
-                    tf_hooks.release_custom_gradients(before)
+                    graphs.release_custom_gradients(before)
 
     return method
 

@@ -62,8 +62,8 @@ def _no_sums_under_xla(value):
     raise ValueError(
         "kmirror: this model needs a sum over the replicas inside each replica's forward pass "
         "(a loss over masked outputs, reduction='mean_with_sample_weight' with sample weights, "
-        "or a layer's sum or mean over the rows of its call), which XLA cannot compile here. "
-        "Compile with jit_compile=False."
+        "a layer's sum or mean over the rows of its call, or its call run on the whole batch), "
+        "which XLA cannot compile here. Compile with jit_compile=False."
     )
 
 

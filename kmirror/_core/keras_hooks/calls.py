@@ -33,6 +33,7 @@ from kmirror._core.keras_hooks import (
     call_state,
     containers,
     mixing,
+    other_ops,
     reductions,
     whole_calls,
     writes,
@@ -221,3 +222,4 @@ def _install() -> None:
             Layer.__call__ = _call
     call_state.install()
     mixing.install()
+    other_ops.install()

@@ -21,9 +21,9 @@ import inspect
 import threading
 from collections.abc import Callable
 
-from kmirror._core import tf_hooks
 from kmirror._core.keras_hooks import by_place, reductions
 from kmirror._core.keras_hooks.by_place import held, named_axes, over, rank
+from kmirror._core.tf_hooks import graphs
 
 __all__ = ["install"]
 
@@ -157,13 +157,15 @@ def _replacement(original: Callable, rule: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def op(*args, **kwargs):
-        if reductions.watching():
-            given = signature.bind(*args, **kwargs)
-            given.apply_defaults()
-            what = rule(given.arguments)
-            if what is not None:
-                reductions.ask_whole(what)
-        return original(*args, **kwargs)
+        if not reductions.watching():
+            return original(*args, **kwargs)
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        what = rule(given.arguments)
+        if what is not None:
+            reductions.ask_whole(what)
+        with reductions.paused():  # checked (`other_ops` need not)
+            return original(*args, **kwargs)
 
     op.__name__ = original.__name__
     return op
@@ -178,7 +180,7 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        for module, name, op_type in tf_hooks.mixing_functions():
+        for module, name, op_type in graphs.mixing_functions():
             if hasattr(module, name):  # `segment_sum_v2` is newer than some TensorFlow releases
                 setattr(module, name, _replacement(getattr(module, name), _RULES[op_type]))
                 _installed.append(name)

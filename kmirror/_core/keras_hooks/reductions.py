@@ -4,8 +4,8 @@ While a replica computes a layer call on its rows (kmirror's step: the model's c
 step: each call the step makes), a layer that reduces over the rows of its call (the batch's mean,
 its moments, a loss it adds as a mean over them) would see only the replica's rows. Every reduction
 of TensorFlow, Keras and NumPy-like code ends in a few of TensorFlow's functions
-(`tf_hooks.reduction_functions`), replaced once. In a call on a replica's rows they ask where the
-reduced tensor holds the rows (`row_axes`):
+(`tf_hooks.graphs.reduction_functions`), replaced once. In a call on a replica's rows they ask
+where the reduced tensor holds the rows (`row_axes`):
 
 - a sum or a mean over every axis holding the rows is the whole batch's: the sum over every
   replica of its rows' sum (and count). Going backward, each replica's rows get the gradient of
@@ -33,13 +33,13 @@ from typing import NoReturn
 
 import tensorflow as tf
 
-from kmirror._core import tf_hooks
 from kmirror._core.keras_hooks import batch_sums, eager_rows, nested
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
+from kmirror._core.tf_hooks import graphs
 
 __all__ = ["over_rows", "within", "active", "paused", "outside", "from_whole_batch", "install"]
-__all__ += ["RunWhole", "whole_asked", "ask_whole", "watching", "rows", "held"]
+__all__ += ["RunWhole", "whole_asked", "ask_whole", "watching", "rows", "held", "taken"]
 
 
 class RunWhole(Exception):  # noqa: N818 (not an error: the call runs again, whole)
@@ -95,7 +95,8 @@ def within(layer) -> contextlib.AbstractContextManager:
 
 
 def paused() -> contextlib.AbstractContextManager:
-    """Within this block reductions are TensorFlow's own (kmirror's own values)."""
+    """Within this block reductions and other ops are TensorFlow's own (kmirror's own values,
+    an op its rule has checked)."""
     return _set("paused", True)
 
 
@@ -137,6 +138,12 @@ def rows() -> Rows:
 def held(tensor) -> frozenset | None:
     """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`)."""
     return _state.call.axes.of(tensor)
+
+
+def taken(tensor) -> None:
+    """`tensor` holds the rows of the call running in axis 0: kmirror took them for it (its rows
+    of a call run on the whole batch, whose rows it joined through its own collectives)."""
+    _state.call.axes.seed(tensor)
 
 
 def from_whole_batch(value) -> bool:
@@ -187,7 +194,8 @@ def _replacement(original: Callable, op_type: str) -> Callable:
             eager_rows.warn_if_over_rows(call.layers[-1], _NAMES[op_type], tensor, axes, call.eager)
             return original(*args, **kwargs)
         if axes is not None and not held & axes:
-            return original(*args, **kwargs)
+            with paused():  # not over the rows (`other_ops` need not check it)
+                return original(*args, **kwargs)
         inside = nested.inside(call.axes.graph)  # no collective can run there
         if op_type in _SUMS and axes is not None and held <= axes and not inside:
             keepdims = bool(given.get("keep_dims", False))
@@ -204,21 +212,14 @@ def _replacement(original: Callable, op_type: str) -> Callable:
 
 
 _SUMS = ("Sum", "Mean")
+# fmt: off
 _NAMES = {
-    "Sum": "a sum",
-    "Mean": "a mean",
-    "Max": "a maximum",
-    "Min": "a minimum",
-    "Prod": "a product",
-    "EuclideanNorm": "a norm",
-    "ArgMax": "an arg-max",
-    "ArgMin": "an arg-min",
-    "Cumsum": "a cumulative sum",
-    "Cumprod": "a cumulative product",
-    "TopKV2": "a top-k or a sort",
-    "Any": "an any",
-    "All": "an all",
+    "Sum": "a sum", "Mean": "a mean", "Max": "a maximum", "Min": "a minimum",
+    "Prod": "a product", "EuclideanNorm": "a norm", "ArgMax": "an arg-max",
+    "ArgMin": "an arg-min", "Cumsum": "a cumulative sum", "Cumprod": "a cumulative product",
+    "TopKV2": "a top-k or a sort", "Any": "an any", "All": "an all",
 }
+# fmt: on
 
 
 def _described(op_type: str, held, axes, inside: bool) -> str:
@@ -241,7 +242,7 @@ def install() -> None:
     with _install_lock:
         if _ORIGINAL:
             return
-        for module, name, op_type in tf_hooks.reduction_functions():
+        for module, name, op_type in graphs.reduction_functions():
             original = getattr(module, name)
             _ORIGINAL[name] = original
             setattr(module, name, _replacement(original, op_type))

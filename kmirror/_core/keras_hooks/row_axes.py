@@ -11,7 +11,8 @@ both, or equal): at the same axis, else aligned from the last axis as broadcasti
 
 The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
 compute from them (a weight, a constant, a captured table) holds no rows (`None`). In a function
-graph the call builds, a loop's variable may hold them (`nested.loop_rows`).
+graph the call builds, a loop's variable may hold them (`nested.loop_rows`); what a loop, a
+condition or a tensor list gives back holds them where its body, branches or elements do.
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ class RowAxes:
         self.graph = tf.compat.v1.get_default_graph()  # the call's
         self._known: dict = {}  # a tensor's ref -> the axes holding the rows, or None
         for seed in seeds:
-            if _symbolic(seed) and seed.shape.rank:
-                self._known[seed.ref()] = frozenset({0})
+            self.seed(seed)
+
+    def seed(self, tensor) -> None:
+        """`tensor` holds the call's rows in axis 0: an input, or rows kmirror took for it."""
+        if _symbolic(tensor) and tensor.shape.rank:
+            self._known[tensor.ref()] = frozenset({0})
 
     def of(self, tensor) -> frozenset | None:
         """The axes of `tensor` holding the call's rows; `NONE` when it is computed from them
@@ -70,6 +75,8 @@ class RowAxes:
             return held[0] if held else nested.loop_rows(tensor, self.graph)
         if all(h is None for h in held):
             return None
+        if op.type in nested.CARRIERS:  # a loop, a condition, a tensor list
+            return nested.carried(tensor, held, self.of, lambda: _kept(tensor, op.inputs, held))
         if op.type in _SHAPES or tensor.shape.rank is None:
             return NONE
         rows = held[0] if op.inputs else None
@@ -86,8 +93,7 @@ class RowAxes:
         if op.type == "Reshape" and rows is not None:
             return _reshaped(self, op, rows)
         if op.type == "Transpose" and rows is not None:
-            perm = tf.get_static_value(op.inputs[1])
-            if perm is None:
+            if (perm := tf.get_static_value(op.inputs[1])) is None:
                 return NONE
             return frozenset(list(np.asarray(perm).reshape(-1)).index(axis) for axis in rows)
         if op.type == "ExpandDims" and rows is not None:
@@ -221,21 +227,13 @@ def _kept(tensor, inputs, held: list) -> frozenset:
             continue
         for shift in dict.fromkeys((0, out.rank - source.shape.rank)):
             moved = [a + shift for a in rows]
-            if all(
-                0 <= m < out.rank and _same(out[m], source.shape[a]) for a, m in zip(rows, moved)
-            ):
+            if all(0 <= m < out.rank and out[m] == source.shape[a] for a, m in zip(rows, moved)):
                 return frozenset(moved)
     return NONE
 
 
-def _same(a, b) -> bool:
-    return a == b if a is not None and b is not None else a is None and b is None
-
-
 def _size(dims) -> int | None:
-    if any(d is None for d in dims):
-        return None
-    return math.prod(dims)
+    return None if any(d is None for d in dims) else math.prod(dims)
 
 
 def _sources(tensor) -> list:

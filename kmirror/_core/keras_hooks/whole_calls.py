@@ -67,7 +67,10 @@ def run(layer, args, kwargs, call, refused: str):
     with reductions.outside(), replica_rows(dataclasses.replace(rows, whole=True)):
         outputs = call(whole_args, whole_kwargs)
     with reductions.paused():
-        return tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
+        taken = tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
+    for output in tf.nest.flatten(taken):
+        reductions.taken(output)  # in axis 0, however kmirror's collectives joined them
+    return taken
 
 
 def _computed(rows: Rows):

@@ -17,16 +17,9 @@ TensorFlow has no public API for these things kmirror needs:
 - a mirrored variable read as a number (`read_as_numbers`): TensorFlow's distributed variables,
   which hold a mirrored Keras variable's value, lack the `int()`, `float()` and `complex()` a
   `tf.Variable` has;
-- the functions every reduction of TensorFlow, Keras and NumPy-like code ends in
-  (`reduction_functions`: `gen_math_ops.mean`, `_sum`, ...), which kmirror replaces so that a
-  reduction over the rows of a layer call is the whole batch's (`keras_hooks.reductions`), and
-  those of the ops that combine values of different rows (`mixing_functions`: a matrix product,
-  a softmax, a segment sum, a slice, ...), which run such a call on the whole batch;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU);
-- the gradient registry's custom gradients (`custom_gradients`), which a traced step's
-  `tf.custom_gradient`s leave there, keeping the step's graph alive until released
-  (`release_custom_gradients`).
+- the graphs TensorFlow makes, and the ops in them (`graphs`).
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
@@ -49,19 +42,10 @@ from tensorflow.python.distribute.cluster_resolver import (  # noqa: E402
     slurm_cluster_resolver as tf_slurm,
 )
 from tensorflow.python.eager import context  # noqa: E402
-from tensorflow.python.framework import ops as tf_ops  # noqa: E402
-from tensorflow.python.ops import (  # noqa: E402
-    gen_array_ops,
-    gen_linalg_ops,
-    gen_manip_ops,
-    gen_math_ops,
-    gen_nn_ops,
-)
 
 __all__ = ["GroupedAllReduce", "multi_worker_strategy", "publish", "read_published", "unpublish"]
 __all__ += ["seed_state", "started", "collectives_configured", "slurm_tasks", "strategy_of"]
-__all__ += ["read_as_numbers", "reduction_functions", "mixing_functions", "custom_gradients"]
-__all__ += ["release_custom_gradients"]
+__all__ += ["read_as_numbers"]
 
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
@@ -123,18 +107,6 @@ def strategy_of(variable: tf.Variable) -> tf.distribute.Strategy | None:
     return getattr(variable, "_distribute_strategy", None)
 
 
-def custom_gradients() -> set[str]:
-    """The `tf.custom_gradient`s TensorFlow's global gradient registry holds: one per call while
-    tracing, each holding the graph it was traced in alive for the life of the process."""
-    return {n for n in tf_ops._gradient_registry._registry if n.startswith("CustomGradient-")}
-
-
-def release_custom_gradients(kept: set[str]) -> None:
-    """Removes from the registry every custom gradient but those `kept`."""
-    for name in custom_gradients() - kept:
-        del tf_ops._gradient_registry._registry[name]
-
-
 def read_as_numbers() -> None:
     """Gives TensorFlow's distributed variables the conversions of a `tf.Variable`: `int(v)`,
     `float(v)` and `complex(v)` of the value `v.numpy()` reads (outside a step: every replica's
@@ -187,48 +159,6 @@ def multi_worker_strategy(resolver, options, cpu_devices: int = 1) -> tf.distrib
     """A MultiWorkerMirroredStrategy over `resolver`'s cluster (`cpu_devices` replicas per worker
     without GPUs)."""
     return _MultiWorker(resolver, options, cpu_devices)
-
-
-def _ops(module, pairs: str) -> list[tuple[object, str, str]]:
-    """(module, function, op type) for each "function:OpType" of `pairs`."""
-    return [(module, *pair.split(":")) for pair in pairs.split()]
-
-
-def reduction_functions() -> list[tuple[object, str, str]]:
-    """(module, function, op type) of the functions TensorFlow's reductions call to make their
-    op: `tf.reduce_mean`, `tf.math.reduce_variance`, `tf.nn.moments`, Keras' `ops.mean`,
-    `ops.var` and the rest all end in one of these, looked up on the module when called."""
-    math = "_sum:Sum mean:Mean _max:Max _min:Min prod:Prod euclidean_norm:EuclideanNorm "
-    math += "arg_max:ArgMax arg_min:ArgMin cumsum:Cumsum cumprod:Cumprod _any:Any _all:All"
-    return _ops(gen_math_ops, math) + _ops(gen_nn_ops, "top_kv2:TopKV2")
-
-
-def mixing_functions() -> list[tuple[object, str, str]]:
-    """(module, function, op type) of the functions that make TensorFlow's ops which can combine
-    values of different rows of a tensor: `tf.matmul`, `tf.einsum`, `tf.nn.softmax`, the segment
-    reductions, `tf.math.bincount`, `tf.roll`, `tf.reverse`, a slice (`x[1:]`), `tf.gather`,
-    `tf.gather_nd`, the scatters, `tf.pad`, `tf.cast` (of a row count to a number), convolutions
-    and poolings, and Keras' `ops` that call them, end in these, looked up when called."""
-    math = "mat_mul:MatMul batch_mat_mul_v2:BatchMatMulV2 batch_mat_mul_v3:BatchMatMulV3 "
-    math += "bincount:Bincount dense_bincount:DenseBincount cast:Cast"
-    segments = ("sum", "sum_v2", "mean", "max", "min", "prod")
-    math += "".join(f" segment_{k}:Segment" for k in segments)
-    math += "".join(f" unsorted_segment_{k}:Segment" for k in ("sum", "max", "min", "prod"))
-    math += "".join(f" sparse_segment_{k}:SparseSegment" for k in ("sum", "mean", "sqrt_n"))
-    array = "reverse_v2:ReverseV2 strided_slice:StridedSlice _slice:Slice gather_v2:GatherV2 "
-    array += "gather_nd:GatherNd pad:Pad pad_v2:Pad mirror_pad:Pad"
-    scatters = ("update", "add", "sub", "max", "min")
-    array += "".join(f" tensor_scatter_{k}:TensorScatter" for k in scatters)
-    windows = "conv2d:Conv conv3d:Conv conv:Conv conv2d_backprop_input:ConvTranspose "
-    windows += "conv3d_backprop_input_v2:ConvTranspose depthwise_conv2d_native:DepthwiseConv "
-    windows += "max_pool:Pool max_pool_v2:Pool avg_pool:Pool max_pool3d:Pool avg_pool3d:Pool"
-    return [
-        *_ops(gen_math_ops, math),
-        *_ops(gen_linalg_ops, "einsum:Einsum"),
-        *_ops(gen_nn_ops, "softmax:Softmax log_softmax:Softmax " + windows),
-        *_ops(gen_manip_ops, "roll:Roll"),
-        *_ops(gen_array_ops, array),
-    ]
 
 
 def slurm_tasks(nodes: str, tasks_per_node: str) -> list[tuple[str, int]]:

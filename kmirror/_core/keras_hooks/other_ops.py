@@ -1,0 +1,171 @@
+"""Every other op over the rows of a layer call: known to compute each row on its own, or the
+call runs whole.
+
+The reductions (`reductions`) and the ops that combine rows (`mixing`, `by_place`) are checked
+by their own rules. Every other op TensorFlow makes while a replica computes a layer call on its
+rows is checked as it is made (`tf_hooks.graphs.watch_ops`), where an input of it holds the rows
+(`reductions.held`):
+
+- an op computing each element from the same elements of its inputs (`tf.exp`, `a * b`, a
+  comparison, a cast), or moving values whose rows `row_axes` follows (a reshape, a transpose, a
+  stack, a tensor list, a loop or a condition, whose own ops are checked as they are made): as
+  TensorFlow makes it;
+- an op computing each row on its own (resizing images, a cross-entropy of each row's logits): as
+  TensorFlow makes it where the rows are in its first axis;
+- an op over its last axes (a Fourier transform, a matrix inverse or decomposition) or along an
+  axis it is given (a split, a cumulative log-sum-exp, a tile, a reversal): as TensorFlow makes
+  it where that is not an axis holding the rows; a concatenation, where it is not, or where every
+  input holds the rows there (rows joined with rows);
+- any other op (a kind kmirror does not know, or one of the above over the rows): the call runs
+  on the whole batch (`reductions.ask_whole`), where it is one device's value. A layer that runs
+  so still trains exactly, with each replica computing its call on every row.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from kmirror._core.keras_hooks import reductions
+from kmirror._core.tf_hooks import graphs
+
+__all__ = ["install"]
+
+
+def _names(text: str) -> set[str]:
+    return set(text.split())
+
+
+#: Ops computing each element from the same elements of their inputs, broadcast.
+_PER_ELEMENT = _names(
+    """Abs Acos Acosh Add AddN AddV2 Angle ApproximateEqual Asin Asinh Atan Atan2 Atanh BesselI0e
+    BesselI1e Betainc BiasAdd BitwiseAnd BitwiseOr BitwiseXor Bucketize Ceil ClipByValue Complex
+    ComplexAbs Conj Cos Cosh Digamma Div DivNoNan Elu Equal Erf Erfc Erfinv Exp Expm1 Floor
+    FloorDiv FloorMod Greater GreaterEqual Igamma Igammac Imag Inv Invert IsFinite IsInf IsNan
+    LeakyRelu LeftShift Less LessEqual Lgamma Log Log1p LogicalAnd LogicalNot LogicalOr Maximum
+    Minimum Mod Mul MulNoNan Ndtri Neg NextAfter NotEqual Polygamma Pow Real RealDiv Reciprocal
+    Relu Relu6 RightShift Rint Round Rsqrt Select SelectV2 Selu Sigmoid Sign Sin Sinh Softplus
+    Softsign Sqrt Square SquaredDifference Sub Tan Tanh TruncateDiv TruncateMod Xdivy Xlog1py Xlogy
+    Zeta Cast Bitcast OneHot ZerosLike OnesLike Fill BroadcastTo LookupTableFindV2
+    StringToHashBucketFast"""
+)
+#: Ops moving or keeping values whose rows `row_axes` follows; loops, conditions and functions,
+#: whose own ops are checked as they are made; writes (`writes`) and assertions.
+_MOVING = _names(
+    """Identity IdentityN Snapshot StopGradient PreventGradient CheckNumerics EnsureShape Reshape
+    Transpose ConjugateTranspose ExpandDims Squeeze Shape ShapeN Size Rank Pack BroadcastArgs
+    BroadcastGradientArgs Where TensorListFromTensor TensorListSetItem TensorListStack
+    TensorListReserve TensorListLength TensorListElementShape TensorListPushBack
+    TensorListScatterV2 While StatelessWhile If StatelessIf Case StatelessCase PartitionedCall
+    StatefulPartitionedCall AssignVariableOp AssignAddVariableOp AssignSubVariableOp ResourceGather
+    Assert StringFormat PrintV2 NoOp"""
+)
+#: Ops computing each index of their inputs' first axis on its own.
+_PER_ROW = _names(
+    """ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea ScaleAndTranslate
+    ImageProjectiveTransformV2 ImageProjectiveTransformV3 AdjustContrastv2 AdjustHue
+    AdjustSaturation RGBToHSV HSVToRGB ExtractImagePatches DepthToSpace SpaceToDepth LRN InTopKV2
+    SoftmaxCrossEntropyWithLogits SparseSoftmaxCrossEntropyWithLogits Multinomial"""
+)
+#: Ops over the last axes of their inputs, each index of the others on its own.
+_LAST_AXES = {"FFT": 1, "IFFT": 1, "RFFT": 1, "IRFFT": 1, "FFT2D": 2, "IFFT2D": 2, "RFFT2D": 2}
+_LAST_AXES |= {"IRFFT2D": 2, "FFT3D": 3, "IFFT3D": 3, "RFFT3D": 3, "IRFFT3D": 3}
+_MATRICES = """MatrixInverse Cholesky MatrixDeterminant LogMatrixDeterminant MatrixSolve Qr Svd Lu
+    MatrixTriangularSolve SelfAdjointEigV2 MatrixBandPart MatrixDiagPartV3 MatrixSetDiagV3"""
+_LAST_AXES |= dict.fromkeys(_names(_MATRICES), 2)
+
+
+def _named(value, dims: int | None) -> set | None:
+    """The axes (non-negative) `value` (a tensor's, or an int) names, if known."""
+    found = tf.get_static_value(value) if tf.is_tensor(value) else value
+    if found is None or dims is None:
+        return None
+    return {int(a) % dims for a in np.reshape(found, -1)}
+
+
+def _rank(tensor) -> int | None:
+    return tensor.shape.rank
+
+
+#: (the input whose axes it combines, the axes: from its inputs and attributes) per op.
+_ALONG: dict[str, Callable] = {
+    "Unpack": lambda i, a: (0, _named(a["axis"].i, _rank(i[0]))),
+    "Split": lambda i, a: (1, _named(i[0], _rank(i[1]))),
+    "SplitV": lambda i, a: (0, _named(i[2], _rank(i[0]))),
+    "CumulativeLogsumexp": lambda i, a: (0, _named(i[1], _rank(i[0]))),
+    "ReverseV2": lambda i, a: (0, _named(i[1], _rank(i[0]))),  # `tf.reverse` by another name
+    "ReverseSequence": lambda i, a: (0, {a["seq_dim"].i}),
+    "TensorListGetItem": lambda i, a: (0, {0}),  # an element of a list over the rows: one row
+    "TensorListGather": lambda i, a: (0, {0}),
+    "TensorListPopBack": lambda i, a: (0, {0}),
+}
+
+
+def _tiled(inputs) -> set | None:
+    multiples = tf.get_static_value(inputs[1])
+    return None if multiples is None else {a for a, m in enumerate(multiples) if m != 1}
+
+
+def _concatenated(inputs, held) -> str | None:
+    """A concatenation along an axis holding the rows of some of its inputs only: values that
+    are not rows, which every replica would add, among them."""
+    *values, axis = inputs
+    axes = [_named(axis, _rank(v)) for v in values]
+    if all(along is not None and not rows & along for rows, along in zip(held, axes)):
+        return None
+    if all(along is not None and rows & along for rows, along in zip(held, axes)):
+        return None  # rows of the batch joined with rows: per row still
+    return "concatenates values that are not rows of the batch with its rows"
+
+
+def _combines(op_type: str, inputs: list, attrs: dict, held: list) -> str | None:
+    """What the op does over the rows of its call, where it combines them; None where it does
+    not."""
+    what = f"computes TensorFlow's {op_type}"
+    if op_type in _PER_ROW:
+        return None if all(rows <= {0} for rows in held) else what
+    if op_type == "ConcatV2":
+        return _concatenated(inputs, held)
+    if op_type in _LAST_AXES:  # each input's last axes
+        last = [_last(t, _LAST_AXES[op_type]) for t in inputs]
+        return what if any(r and (a is None or r & a) for r, a in zip(held, last)) else None
+    if op_type == "Tile":
+        source, axes = 0, _tiled(inputs)
+    elif op_type in _ALONG:
+        source, axes = _ALONG[op_type](inputs, attrs)
+    else:
+        return f"{what}, which kmirror does not know to compute each row on its own"
+    rows = held[source]
+    return what if rows and (axes is None or rows & axes) else None
+
+
+def _last(tensor, count: int) -> set | None:
+    dims = _rank(tensor)
+    return None if dims is None else set(range(max(dims - count, 0), dims))
+
+
+def _check(op_type: str, inputs, attrs) -> None:
+    if op_type in _PER_ELEMENT or op_type in _MOVING or not reductions.watching():
+        return
+    held = [reductions.held(t) or frozenset() for t in inputs]
+    if not any(held):
+        return
+    what = _combines(op_type, list(inputs), attrs or {}, held)
+    if what is not None:
+        axes = sorted(set().union(*held))
+        reductions.ask_whole(f"{what} over a tensor holding the rows of its call in axes {axes}")
+
+
+_installed: list = []
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Checks every op made while a replica computes a layer call, once per process."""
+    with _install_lock:
+        if not _installed:
+            graphs.watch_ops(_check)
+            _installed.append(_check)
