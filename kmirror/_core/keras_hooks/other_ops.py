@@ -26,10 +26,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import numpy as np
 import tensorflow as tf
 
 from kmirror._core.keras_hooks import reductions
+from kmirror._core.keras_hooks.by_place import named_axes, rank
 from kmirror._core.tf_hooks import graphs
 
 __all__ = ["install"]
@@ -78,25 +78,13 @@ _MATRICES = """MatrixInverse Cholesky MatrixDeterminant LogMatrixDeterminant Mat
 _LAST_AXES |= dict.fromkeys(_names(_MATRICES), 2)
 
 
-def _named(value, dims: int | None) -> set | None:
-    """The axes (non-negative) `value` (a tensor's, or an int) names, if known."""
-    found = tf.get_static_value(value) if tf.is_tensor(value) else value
-    if found is None or dims is None:
-        return None
-    return {int(a) % dims for a in np.reshape(found, -1)}
-
-
-def _rank(tensor) -> int | None:
-    return tensor.shape.rank
-
-
 #: (the input whose axes it combines, the axes: from its inputs and attributes) per op.
 _ALONG: dict[str, Callable] = {
-    "Unpack": lambda i, a: (0, _named(a["axis"].i, _rank(i[0]))),
-    "Split": lambda i, a: (1, _named(i[0], _rank(i[1]))),
-    "SplitV": lambda i, a: (0, _named(i[2], _rank(i[0]))),
-    "CumulativeLogsumexp": lambda i, a: (0, _named(i[1], _rank(i[0]))),
-    "ReverseV2": lambda i, a: (0, _named(i[1], _rank(i[0]))),  # `tf.reverse` by another name
+    "Unpack": lambda i, a: (0, named_axes(a["axis"].i, i[0])),
+    "Split": lambda i, a: (1, named_axes(i[0], i[1])),
+    "SplitV": lambda i, a: (0, named_axes(i[2], i[0])),
+    "CumulativeLogsumexp": lambda i, a: (0, named_axes(i[1], i[0])),
+    "ReverseV2": lambda i, a: (0, named_axes(i[1], i[0])),  # `tf.reverse` by another name
     "ReverseSequence": lambda i, a: (0, {a["seq_dim"].i}),
     "TensorListGetItem": lambda i, a: (0, {0}),  # an element of a list over the rows: one row
     "TensorListGather": lambda i, a: (0, {0}),
@@ -113,7 +101,7 @@ def _concatenated(inputs, held) -> str | None:
     """A concatenation along an axis holding the rows of some of its inputs only: values that
     are not rows, which every replica would add, among them."""
     *values, axis = inputs
-    axes = [_named(axis, _rank(v)) for v in values]
+    axes = [named_axes(axis, v) for v in values]
     if all(along is not None and not rows & along for rows, along in zip(held, axes)):
         return None
     if all(along is not None and rows & along for rows, along in zip(held, axes)):
@@ -143,7 +131,7 @@ def _combines(op_type: str, inputs: list, attrs: dict, held: list) -> str | None
 
 
 def _last(tensor, count: int) -> set | None:
-    dims = _rank(tensor)
+    dims = rank(tensor)
     return None if dims is None else set(range(max(dims - count, 0), dims))
 
 
