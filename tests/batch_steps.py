@@ -27,10 +27,14 @@ The layers, each computing from the whole batch of its call on one device:
   calls whole).
 
 `compiled_batch_statistics` stacks them in a compiled model (with validation data: the layers
-reduce in inference too); `own_step_batch_statistics` in a model an own step calls, which reads
-the added loss through `model.losses`. The dense layers before a normalisation have no bias: the
-normalisation removes it, which leaves its gradient the rounding of a sum, and Adam's step turns
-any such value into a step of the learning rate's size, on one device as well.
+reduce in inference too); `own_step_batch_statistics` all but the recurrent layers in a model an
+own step calls, which reads the added loss through `model.losses` (where kmirror finds a call's
+rows in a loop is the call's own, whatever step calls it: the recurrent layers, the costliest
+to trace on every replica, are traced in one of the two).
+
+The dense layers before a normalisation have no bias: the normalisation removes it, which leaves
+its gradient the rounding of a sum, and Adam's step turns any such value into a step of the
+learning rate's size, on one device as well.
 """
 
 import keras
@@ -141,35 +145,36 @@ class FirstRowRelative(L.Layer):
         return x - 0.5 * first
 
 
-def _network() -> keras.Model:
-    return keras.Sequential(
-        [
-            keras.Input((WIDTH,)),
-            L.Dense(8, use_bias=False),
-            BatchStandardized(),
-            L.Activation("tanh"),
-            GroupedSpread(),
-            BatchContext(),
-            L.Dense(6, "tanh"),
-            BatchAttention(),
-            LoopCentred(),
-            RowConvolution(),
+def _network(recurrent: bool) -> keras.Model:
+    """The layers above in one model; the recurrent layers where `recurrent` (the compiled
+    model's: what they prove is where a layer call's rows are, the same in an own step)."""
+    layers = [
+        keras.Input((WIDTH,)),
+        L.Dense(8, use_bias=False),
+        BatchStandardized(),
+        L.Activation("tanh"),
+        GroupedSpread(),
+        BatchContext(),
+        L.Dense(6, "tanh"),
+        BatchAttention(),
+        LoopCentred(),
+        RowConvolution(),
+    ]
+    if recurrent:
+        layers += [
             L.Reshape((3, 2)),
             L.LSTM(4, return_sequences=True),
             L.BatchNormalization(),
             L.RNN(CentringCell(), return_sequences=True),
             L.Flatten(),
-            Spectrum(),
-            FirstRowRelative(),
-            BatchSpread(),
-            L.Dense(2),
         ]
-    )
+    layers += [Spectrum(), FirstRowRelative(), BatchSpread(), L.Dense(2)]
+    return keras.Sequential(layers)
 
 
 def compiled_batch_statistics() -> keras.Model:
     def build():
-        model = _network()
+        model = _network(recurrent=True)
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
         return model
 
@@ -179,7 +184,7 @@ def compiled_batch_statistics() -> keras.Model:
 class OwnStep(keras.Model):
     def __init__(self):
         super().__init__()
-        self.network = _network()
+        self.network = _network(recurrent=False)
 
     def train_step(self, data):
         x, y = data
