@@ -335,3 +335,42 @@ def test_in_eager_mode_a_reduction_over_the_rows_warns_naming_the_layer(own_step
     assert sorted(set(named)) == ["'centred' (MeanOfRows)", "'statistics' (BatchNormalization)"]
     assert "run_eagerly=False" in seen[True][0] and "a mean" in seen[True][0]
     assert seen[False] == []
+
+
+class AttendingRows(L.Layer):
+    """Each row attends to every row of its call: a product of the rows with each other, a
+    softmax over them, a product summing over them (no reduction: `mixing`'s rules)."""
+
+    def call(self, x):
+        scores = ops.matmul(x, ops.transpose(x))
+        return x + ops.matmul(ops.softmax(scores, axis=-1), x)
+
+
+def test_in_eager_mode_an_op_combining_the_rows_warns_naming_the_layer():
+    """In eager mode an op that combines the rows (here a product summing over them) is named
+    in a warning, once; a Dense layer's products with its kernel are not. Traced, the call runs
+    whole: no warning, and one device's weights."""
+    x, y = _data(37)
+    seen, weights = {}, {}
+    for eager in (True, False, None):  # None: one device
+        keras.utils.set_random_seed(1)
+        with precision("float64"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = keras.Sequential(
+                [
+                    keras.Input((x.shape[1],)),
+                    L.Dense(4),
+                    AttendingRows(name="attending"),
+                    L.Dense(y.shape[1]),
+                ]
+            )
+            model.compile(optimizer="sgd", loss="mse", run_eagerly=bool(eager))
+            wrapped = model if eager is None else kmirror.wrap(model, devices=cpus(2))
+            wrapped.fit(x, y, batch_size=18, epochs=1, shuffle=False, verbose=0)
+        seen[eager] = [str(w.message) for w in caught if "in eager mode" in str(w.message)]
+        weights[eager] = model.get_weights()
+    assert len(seen[True]) == 1, seen[True]
+    assert "layer 'attending' (AttendingRows)" in seen[True][0]
+    assert "sums over the rows" in seen[True][0] and "run_eagerly=False" in seen[True][0]
+    assert seen[False] == []
+    assert max_weight_difference(Weights(weights[None]), Weights(weights[False])) < 1e-10

@@ -1,12 +1,18 @@
-"""A reduction over what may be the rows of a layer call, in eager mode: a warning.
+"""A reduction over what may be the rows of a layer call, or an op combining them, in eager mode:
+a warning.
 
 In a traced step kmirror reads from the graph which axes of a tensor hold the rows of a layer
-call (`row_axes`), and makes a reduction over them the whole batch's (`reductions`). In eager mode
-(`run_eagerly=True`) a tensor does not say where it comes from: each replica reduces over its own
-rows, which is not one device's value when the layer computes its outputs or a loss from it
-(BatchNormalization's statistics, a batch mean concatenated to each row). A reduction whose axes
-take axis 0 of a tensor with as many rows as the call's inputs may be such a reduction: kmirror
-warns, once per layer and reduction, naming both and the fix.
+call (`row_axes`), makes a reduction over them the whole batch's (`reductions`) and runs a call
+whose ops combine them whole (`mixing`, `other_ops`). In eager mode (`run_eagerly=True`) a tensor
+does not say where it comes from: each replica reduces over or combines its own rows, which is
+not one device's value when the layer computes its outputs or a loss from it (BatchNormalization's
+statistics, a batch mean concatenated to each row, attention over the batch). A reduction
+whose axes take axis 0 of a tensor with as many rows as the call's inputs may be such a
+reduction; an op that `mixing`'s rules find combines the rows of the call's inputs themselves
+(`held`: known as the inputs, not by their shape: a weight or a shape may have as many rows) is
+one. kmirror warns, once per layer and operation, naming both and the fix. What is computed from
+the inputs in eager mode has no graph to say where its rows are, and ops no rule names are not
+seen (there is no graph to watch them being made): those stay silent.
 """
 
 from __future__ import annotations
@@ -17,37 +23,76 @@ import weakref
 
 import tensorflow as tf
 
-__all__ = ["row_count", "warn_if_over_rows"]
+__all__ = ["Inputs", "inputs", "warn_if_over_rows", "warn_combining"]
 
 _warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> what it took
 _lock = threading.Lock()
 
 
-def row_count(seeds) -> int | None:
-    """The rows of a call on a replica's rows, in eager mode: its first input's (None when
-    traced, or when no input has rows)."""
-    for seed in seeds:
-        if isinstance(seed, tf.Tensor) and not hasattr(seed, "op") and seed.shape.rank:
-            return seed.shape[0]
-    return None
+class Inputs:
+    """In eager mode, the tensors of a call on a replica's rows known to be rows: the call's
+    inputs holding rows, and the inputs of the layers called inside it with as many rows (a
+    layer's input in a model's forward pass; a weight or a shape never is one)."""
+
+    def __init__(self, tensors: list) -> None:
+        self.rows = tensors[0].shape[0]
+        self._known = {}
+        self.add(tensors)
+
+    def add(self, tensors) -> None:
+        for t in tensors:
+            if _eager(t) and t.shape.rank and t.shape[0] == self.rows:
+                self._known[id(t)] = t  # kept: its id is not reused while the call runs
+
+    def held(self, tensor) -> frozenset | None:
+        """Axis 0 where `tensor` is one of them."""
+        return frozenset({0}) if self._known.get(id(tensor)) is tensor else None
 
 
-def warn_if_over_rows(layer, what: str, tensor, axes: set | None, rows: int | None) -> None:
-    """Warns once per layer and reduction if `tensor` (eager) may hold the call's `rows` in axis 0
-    and the reduction takes `what` over `axes` (None: every axis), axis 0 among them."""
-    rank = tensor.shape.rank
+def inputs(seeds) -> Inputs | None:
+    """The rows of a call's inputs (`seeds`) in eager mode (None when traced, or when no input
+    has rows)."""
+    found = [s for s in seeds if _eager(s) and s.shape.rank]
+    return Inputs(found) if found else None
+
+
+def _eager(tensor) -> bool:
+    return isinstance(tensor, tf.Tensor) and not hasattr(tensor, "op")
+
+
+def warn_if_over_rows(layer, what: str, tensor, axes: set | None, known: Inputs | None) -> None:
+    """Warns once per layer and reduction if `tensor` (eager) may hold the rows of the call's
+    inputs (`known`) in axis 0 and the reduction takes `what` over `axes` (None: every axis),
+    axis 0 among them."""
+    rank, rows = tensor.shape.rank, known.rows if known else None
     if rows is None or not rank or tensor.shape[0] != rows or (axes is not None and 0 not in axes):
         return
+    _warn_once(
+        layer,
+        what,
+        f"kmirror cannot tell whether layer {_named(layer)} takes {what} over the rows of the "
+        "batch (axis 0 of a tensor with as many rows as its call)",
+    )
+
+
+def warn_combining(layer, what: str) -> None:
+    """Warns once per layer and `what` (a rule's description of an op over the call's inputs)."""
+    _warn_once(layer, what, f"layer {_named(layer)} {what}")
+
+
+def _named(layer) -> str:
+    return f"'{layer.name}' ({type(layer).__name__})"
+
+
+def _warn_once(layer, key: str, said: str) -> None:
     with _lock:
-        if what in _warned.setdefault(layer, set()):
+        if key in _warned.setdefault(layer, set()):
             return
-        _warned[layer].add(what)
+        _warned[layer].add(key)
     warnings.warn(
-        f"kmirror: in eager mode (run_eagerly=True) kmirror cannot tell whether layer "
-        f"'{layer.name}' ({type(layer).__name__}) takes {what} over the rows of the batch (axis 0 "
-        "of a tensor with as many rows as its call): each replica computes it from its own rows, "
-        "so what the layer computes from it is not one device's value (what it writes to a "
-        "weight is combined as the weight's aggregation says). Compile with run_eagerly=False "
+        f"kmirror: in eager mode (run_eagerly=True) {said}: each replica computes it from its own "
+        "rows, so what the layer computes from it is not one device's value (what it writes to "
+        "a weight is combined as the weight's aggregation says). Compile with run_eagerly=False "
         "(the default) for one device's value.",
-        stacklevel=3,
+        stacklevel=4,
     )

@@ -38,8 +38,9 @@ from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 from kmirror._core.tf_hooks import graphs
 
-__all__ = ["over_rows", "within", "active", "paused", "outside", "from_whole_batch", "install"]
-__all__ += ["RunWhole", "whole_asked", "ask_whole", "watching", "rows", "held", "taken"]
+__all__ = ["over_rows", "within", "active", "paused", "outside", "whole_ops", "install"]
+__all__ += ["RunWhole", "whole_asked", "ask_whole", "combined", "watching", "rows", "held"]
+__all__ += ["taken"]
 
 
 class RunWhole(Exception):  # noqa: N818 (not an error: the call runs again, whole)
@@ -53,7 +54,7 @@ class _Call:
     axes: RowAxes
     rows: Rows
     layers: list = field(default_factory=list)  # the calls running, outermost first
-    eager: int | None = None  # in eager mode, the call's row count (`eager_rows`)
+    eager: eager_rows.Inputs | None = None  # in eager mode, the tensors known as rows
     #: The ops computing the whole batch's reductions, and which ops are computed from them.
     whole: dict = field(default_factory=dict)
     #: (layer, the reduction's description): a call asked to run on the whole batch.
@@ -83,13 +84,15 @@ def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
     """Within this block (on this thread) `layer` is called on the replica's rows: `seeds` (the
     tensors of the call that are rows of the batch) and what is computed from them."""
     install()
-    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager_rows.row_count(seeds)))
+    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager_rows.inputs(seeds)))
 
 
-def within(layer) -> contextlib.AbstractContextManager:
+def within(layer, inputs=()) -> contextlib.AbstractContextManager:
     """A layer called inside the call on the replica's rows (named in an error, and run whole);
     not one called in a function graph the call builds, a loop's body: the call around it."""
     call = _state.call
+    if call.eager is not None:  # its inputs with the call's row count are rows
+        call.eager.add(inputs)
     kept = [] if nested.inside(call.axes.graph) else [layer]
     return _set("layers", call.layers + kept, owner=call)
 
@@ -136,8 +139,19 @@ def rows() -> Rows:
 
 
 def held(tensor) -> frozenset | None:
-    """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`)."""
-    return _state.call.axes.of(tensor)
+    """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`); in eager
+    mode, axis 0 of the tensors known as rows (`eager_rows.Inputs`)."""
+    call, found = _state.call, _state.call.axes.of(tensor)
+    return found if found is not None or call.eager is None else call.eager.held(tensor)
+
+
+def combined(what: str) -> None:
+    """An op of the call running combines its rows (`what` it does): the call runs whole; in
+    eager mode, where the rows may be is all that is known (`eager_rows`): a warning."""
+    call = _state.call
+    if call.eager is None:
+        ask_whole(what)
+    eager_rows.warn_combining(call.layers[-1], what)
 
 
 def taken(tensor) -> None:
@@ -146,25 +160,11 @@ def taken(tensor) -> None:
     _state.call.axes.seed(tensor)
 
 
-def from_whole_batch(value) -> bool:
-    """Whether `value` (written to a layer's state in the call) is computed from a reduction
-    made the whole batch's: every replica writes it alike."""
+def whole_ops() -> dict | None:
+    """The ops of the call running that compute the whole batch's reductions, and whether each
+    other op seen is computed from them (None: no call runs)."""
     call = getattr(_state, "call", None)
-    if call is None or not call.whole or not tf.is_tensor(value) or not hasattr(value, "op"):
-        return False
-    known, stack = call.whole, [value.op]
-    while stack:
-        op = stack[-1]
-        if op in known:
-            stack.pop()
-            continue
-        missing = [t.op for t in op.inputs if t.op not in known]
-        if missing:
-            stack.extend(missing)
-            continue
-        stack.pop()
-        known[op] = any(known[t.op] for t in op.inputs)
-    return known[value.op]
+    return None if call is None else call.whole
 
 
 def _current() -> _Call | None:

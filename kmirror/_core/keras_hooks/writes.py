@@ -33,7 +33,7 @@ _install_lock = threading.Lock()
 def recording(into: dict, alike: dict | None = None) -> Iterator[None]:
     """Within this block (on this thread) each Keras variable assigned joins `into` (by id), and
     `alike` too when its value is computed from a reduction made the whole batch's (every
-    replica writes it alike: `reductions.from_whole_batch`)."""
+    replica writes it alike: `_from_whole_batch`)."""
     _install()
     previous = getattr(_state, "into", None), getattr(_state, "alike", None)
     _state.into, _state.alike = into, alike
@@ -72,9 +72,30 @@ def _assign(self, value):
     into, alike = getattr(_state, "into", None), getattr(_state, "alike", None)
     if into is not None:
         into.setdefault(id(self), self)
-        if alike is not None and (_in_whole_call() or reductions.from_whole_batch(value)):
+        if alike is not None and (_in_whole_call() or _from_whole_batch(value)):
             alike.setdefault(id(self), self)
     return _original["assign"](self, value)
+
+
+def _from_whole_batch(value) -> bool:
+    """Whether `value` (written to a layer's state in the call) is computed from a reduction
+    made the whole batch's (`reductions.whole_ops`): every replica writes it alike."""
+    known = reductions.whole_ops()
+    if not known or not tf.is_tensor(value) or not hasattr(value, "op"):
+        return False
+    stack = [value.op]
+    while stack:
+        op = stack[-1]
+        if op in known:
+            stack.pop()
+            continue
+        missing = [t.op for t in op.inputs if t.op not in known]
+        if missing:
+            stack.extend(missing)
+            continue
+        stack.pop()
+        known[op] = any(known[t.op] for t in op.inputs)
+    return known[value.op]
 
 
 def _in_whole_call() -> bool:
