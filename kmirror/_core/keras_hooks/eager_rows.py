@@ -9,7 +9,7 @@ not one device's value when the layer computes its outputs or a loss from it (Ba
 statistics, a batch mean concatenated to each row, attention over the batch). A reduction
 whose axes take axis 0 of a tensor with as many rows as the call's inputs may be such a
 reduction; an op that `mixing`'s rules find combines the rows of the call's inputs themselves
-(`held`: known as the inputs, not by their shape: a weight or a shape may have as many rows) is
+(`Inputs`: known as inputs, not by their shape, which a weight or a shape may share) is
 one. kmirror warns, once per layer and operation, naming both and the fix. What is computed from
 the inputs in eager mode has no graph to say where its rows are, and ops no rule names are not
 seen (there is no graph to watch them being made): those stay silent.
