@@ -333,8 +333,8 @@ def test_sigterm_pending_at_the_last_step_keeps_the_end_and_the_relaunch_trains_
     Training ends on both, the chief backs up the end (not removing the backup), and both exit
     with EXIT_PREEMPTED before the script's code after `fit`. The relaunch trains no batch, writes
     the script's results, and ends as one device (the uninterrupted job). Which process was
-    signalled reaches the others through the same all-reduce of every process's flag, whichever
-    it is: each reducer carries it one way, and each way is tested."""
+    signalled reaches the others through the same gather of every process's flag, whichever it
+    is: each reducer carries it one way, and each way is tested."""
     out = tmp_path / "out"
     late = {"KMIRROR_PREEMPTION_CHECK_SECONDS": "1000", "KMIRROR_TEST_TERM": str(signalled)}
     done = run_job("backup", out, reducer, env=late)
