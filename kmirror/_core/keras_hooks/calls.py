@@ -76,7 +76,7 @@ def replica(rows: Rows) -> contextlib.AbstractContextManager:
 def _call(layer, *args, **kwargs):
     own = current_step()
     if reductions.active():  # inside a call on the replica's rows
-        with reductions.within(layer, tf.nest.flatten((args, kwargs))):
+        with reductions.within(layer, (args, kwargs)):
             return _on_rows(layer, args, kwargs)
     if own is None or _state.inside:
         rows = current()

@@ -41,8 +41,12 @@ class Inputs:
 
     def add(self, tensors) -> None:
         for t in tensors:
-            if _eager(t) and t.shape.rank and t.shape[0] == self.rows:
+            if _eager(t) and self.counted(t):
                 self._known[id(t)] = t  # kept: its id is not reused while the call runs
+
+    def counted(self, tensor) -> bool:
+        """Whether `tensor` has as many rows as the call in its axis 0."""
+        return bool(tensor.shape.rank) and tensor.shape[0] == self.rows
 
     def held(self, tensor) -> frozenset | None:
         """Axis 0 where `tensor` is one of them."""
@@ -64,8 +68,7 @@ def warn_if_over_rows(layer, what: str, tensor, axes: set | None, known: Inputs 
     """Warns once per layer and reduction if `tensor` (eager) may hold the rows of the call's
     inputs (`known`) in axis 0 and the reduction takes `what` over `axes` (None: every axis),
     axis 0 among them."""
-    rank, rows = tensor.shape.rank, known.rows if known else None
-    if rows is None or not rank or tensor.shape[0] != rows or (axes is not None and 0 not in axes):
+    if known is None or not known.counted(tensor) or (axes is not None and 0 not in axes):
         return
     _warn_once(
         layer,

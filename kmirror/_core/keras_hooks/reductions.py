@@ -92,7 +92,7 @@ def within(layer, inputs=()) -> contextlib.AbstractContextManager:
     not one called in a function graph the call builds, a loop's body: the call around it."""
     call = _state.call
     if call.eager is not None:  # its inputs with the call's row count are rows
-        call.eager.add(inputs)
+        call.eager.add(tf.nest.flatten(inputs))
     kept = [] if nested.inside(call.axes.graph) else [layer]
     return _set("layers", call.layers + kept, owner=call)
 
