@@ -24,6 +24,7 @@ test: install lint
 	$(PY) -m pytest $(PARALLEL)
 
 # The core tests on the oldest supported Keras and TensorFlow (kmirror.versions), in their own venv.
+# In 2 processes, grouped as `make test` groups them.
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
@@ -38,7 +39,7 @@ $(COMPAT_STAMP): pyproject.toml constraints-compat.txt
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest $(COMPAT_TESTS)
+	$(COMPAT_PY) -m pytest $(PARALLEL) $(COMPAT_TESTS)
 
 lint: install
 	$(PY) -m ruff check .
