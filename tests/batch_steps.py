@@ -22,6 +22,9 @@ The layers, each computing from the whole batch of its call on one device:
   normalises by the batch's moments: rows that leave a loop through a tensor list;
 - an `RNN` whose cell centres its input, read from a tensor list in the loop's body, by the
   mean of the rows (kmirror runs the recurrent layer's call whole);
+- `Rescaled`: each feature divided by its range over the rows, which a layer it calls returns
+  (a statistic of the whole batch, not rows: kmirror runs the inner call whole, and every
+  replica takes all of its output);
 - `Spectrum`: a Fourier transform along the rows, and `FirstRowRelative`: each row less the
   first, split from the rest (ops of TensorFlow that no rule of kmirror names: it runs their
   calls whole).
@@ -139,6 +142,20 @@ class Spectrum(L.Layer):
         return x + 0.05 * tf.transpose(tf.math.real(spectrum))
 
 
+class RangeOfRows(L.Layer):
+    def call(self, x):
+        return ops.max(x, axis=0) - ops.min(x, axis=0)
+
+
+class Rescaled(L.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.range = RangeOfRows()
+
+    def call(self, x):
+        return x / (1.0 + self.range(x))
+
+
 class FirstRowRelative(L.Layer):
     def call(self, x):
         first, _ = tf.split(x, [1, -1], axis=0)
@@ -168,7 +185,7 @@ def _network(recurrent: bool) -> keras.Model:
             L.RNN(CentringCell(), return_sequences=True),
             L.Flatten(),
         ]
-    layers += [Spectrum(), FirstRowRelative(), BatchSpread(), L.Dense(2)]
+    layers += [Spectrum(), Rescaled(), FirstRowRelative(), BatchSpread(), L.Dense(2)]
     return keras.Sequential(layers)
 
 

@@ -7,7 +7,10 @@ exactness matrix).
   that adds `sum(self.autoencoder.losses)` to its reconstruction loss and logs them.
 - `gated`: a layer keeps its gates on itself (`self.gates = ...` in `call`), appends them to a
   list it holds (`self.seen`, every call's) and puts each row's spread in a dict it sets in the
-  call (`self.latest = {}`); the step adds their means to its loss.
+  call (`self.latest = {}`); it also keeps statistics over the call's rows (each gate's mean on
+  itself, their mean in the dict). Two more layers return statistics of their call's rows to the
+  step: their mean (a scalar), each feature's standard deviation over them (a vector). The step
+  adds them all to its loss.
 - `node_classifier`: a graph the model holds (its nodes' features and its edges, in constants),
   passed whole through message passing on every step; the batch is node indices, gathered from
   the call's output. The layer also adds a loss of the nodes' states.
@@ -100,7 +103,24 @@ class Gate(L.Layer):
         self.seen.append(self.gates)
         self.latest = {}
         self.latest["spread"] = ops.std(x, axis=-1)
+        self.centre = ops.mean(self.gates, axis=0)  # over the call's rows: the whole batch's
+        self.latest["centre"] = ops.mean(self.gates)
         return x * self.gates
+
+
+class Summary(L.Layer):
+    """Returns a statistic of its call's rows: their mean, or each feature's spread over them."""
+
+    def __init__(self, statistic, **kwargs):
+        super().__init__(**kwargs)
+        self.statistic = statistic
+
+    def build(self, shape):
+        self.kernel = self.add_weight(shape=(shape[-1], 3), initializer="glorot_uniform")
+
+    def call(self, x):
+        projected = ops.matmul(x, self.kernel)
+        return ops.mean(projected) if self.statistic == "mean" else ops.std(projected, axis=0)
 
 
 class Gated(keras.Model):
@@ -108,17 +128,26 @@ class Gated(keras.Model):
         super().__init__()
         self.gate = Gate()
         self.net = keras.Sequential([keras.Input((WIDTH,)), self.gate, L.Dense(2)])
+        self.mean_of_rows, self.spread_of_rows = Summary("mean"), Summary("std")
 
     def train_step(self, data):
         x, y = data
-        weights = self.net.trainable_variables
         with tf.GradientTape() as tape:
             error = ops.mean(ops.square(self.net(x, training=True) - y))
             openness = ops.mean(self.gate.gates)
             recent = ops.mean(self.gate.seen[-1]) + ops.mean(self.gate.latest["spread"])
-            loss = error + 0.1 * openness + 0.05 * recent
+            kept = ops.sum(ops.square(self.gate.centre)) + self.gate.latest["centre"]
+            summary = self.mean_of_rows(x) + ops.sum(self.spread_of_rows(x))
+            loss = error + 0.1 * openness + 0.05 * recent + 0.1 * kept + 0.01 * summary
+        weights = self.trainable_variables  # the summaries' built by their first call
         self.optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
-        return {"loss": loss, "openness": openness, "recent": recent}
+        return {
+            "loss": loss,
+            "openness": openness,
+            "recent": recent,
+            "kept": kept,
+            "summary": summary,
+        }
 
 
 def gated():

@@ -186,78 +186,97 @@ def test_a_tf_random_draw_in_the_step_is_named_in_a_warning(where, monkeypatch):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
 
 
-class BatchMean(keras.layers.Layer):
-    """A layer that returns one value for all its rows."""
+class Unjoinable(keras.layers.Layer):
+    """A layer returning what its replicas cannot join: the count of its call's rows, or its rows
+    in the second axis."""
+
+    def __init__(self, returned, **kwargs):
+        super().__init__(**kwargs)
+        self.returned = returned
 
     def call(self, x):
-        return ops.mean(x)
+        if self.returned == "count":
+            return ops.shape(x)[0]
+        return ops.transpose(x[:, :, None], (1, 0, 2))
 
 
-def test_a_layer_returning_a_scalar_to_an_own_step_is_refused_with_the_fix():
-    class ScalarStep(keras.Sequential):
+@pytest.mark.parametrize("returned", ["count", "rows in axis 1"])
+def test_a_layer_returning_what_its_replicas_cannot_join_is_refused_with_the_fix(returned):
+    """A statistic of the rows is one device's value (the program of `own_step_attribute` in
+    tests/features.py); the replica's count of its rows, or its rows elsewhere than in the first
+    axis, are refused, naming the layer."""
+
+    class Unjoined(keras.Sequential):
         def train_step(self, data):
             x, y = data
             with tf.GradientTape() as tape:
-                loss = BatchMean()(self(x, training=True))
+                y_pred = self(x, training=True)
+                value = ops.cast(Unjoinable(returned, name="unjoinable")(y_pred), y_pred.dtype)
+                loss = ops.mean(ops.square(y_pred)) + ops.mean(value)
             grads = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             return {"loss": loss}
 
-    model = ScalarStep([keras.Input((8,)), keras.layers.Dense(3)])
+    model = Unjoined([keras.Input((8,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd")
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     before = model.get_weights()
     x, y = dense_data()
-    with pytest.raises(ValueError, match="returned a scalar.*one value per row"):
+    what = "the count of the replica's rows" if returned == "count" else r"a tensor.*axes \[1\]"
+    with pytest.raises(ValueError, match=f"layer 'unjoinable' .*returned {what}.*first axis"):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
     for a, b in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-class KeepsItsMean(keras.layers.Layer):
-    """A layer that keeps on itself one value for all the rows of its call: as an attribute,
-    in a list it holds, or in a dict it sets in the call."""
+class KeepsItsCount(keras.layers.Layer):
+    """A layer that keeps on itself the count of its call's rows: as an attribute, in a list it
+    holds, or in a dict it sets in the call."""
 
     def __init__(self, kept, **kwargs):
         super().__init__(**kwargs)
-        self.kept, self.means = kept, []
+        self.kept, self.counts = kept, []
 
     def call(self, x):
         if self.kept == "attribute":
-            self.mean = ops.mean(x)
+            self.count = ops.shape(x)[0]
         elif self.kept == "list":
-            self.means.append(ops.mean(x))
+            self.counts.append(ops.shape(x)[0])
         else:
-            self.found = {"mean": ops.mean(x)}
+            self.found = {"count": ops.shape(x)[0]}
         return x
 
     def read(self):
-        return {"attribute": lambda: self.mean, "list": lambda: self.means[-1]}.get(
-            self.kept, lambda: self.found["mean"]
+        return {"attribute": lambda: self.count, "list": lambda: self.counts[-1]}.get(
+            self.kept, lambda: self.found["count"]
         )()
 
 
 @pytest.mark.parametrize("kept", ["attribute", "list", "dict"])
-def test_a_layer_keeping_a_value_over_its_rows_is_refused_when_the_step_reads_it(kept):
-    class ReadsTheMean(keras.Sequential):
+def test_a_layer_keeping_its_replicas_count_of_rows_is_refused_when_the_step_reads_it(kept):
+    """Statistics of the rows kept on a layer are one device's values (`own_step_attribute` in
+    tests/features.py); the count of the replica's rows is not."""
+
+    class ReadsTheCount(keras.Sequential):
         def train_step(self, data):
             x, y = data
             with tf.GradientTape() as tape:
                 y_pred = self(x, training=True)
-                loss = ops.mean(ops.square(y_pred - y)) + self.layers[-1].read()
+                count = ops.cast(self.layers[-1].read(), y_pred.dtype)
+                loss = ops.sum(ops.square(y_pred - y)) / count
             grads = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             return {"loss": loss}
 
-    model = ReadsTheMean([keras.Input((8,)), keras.layers.Dense(3), KeepsItsMean(kept)])
+    model = ReadsTheCount([keras.Input((8,)), keras.layers.Dense(3), KeepsItsCount(kept)])
     model.compile(optimizer="sgd")
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     before = model.get_weights()
     x, y = dense_data()
     y = np.eye(3)[y]
     message = {
-        "attribute": "reads `mean` of layer 'keeps_its_mean'.*one value per",
-        "list": "reads from a list or dict of a layer.*one value per",
+        "attribute": "reads `count` of layer 'keeps_its_count'.*count on this replica",
+        "list": "reads from a list or dict of a layer.*count on this replica",
     }
     with pytest.raises(ValueError, match=message.get(kept, message["list"])):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)

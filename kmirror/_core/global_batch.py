@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-__all__ = ["Split", "computed_rows", "any_count"]
+__all__ = ["Split", "computed_rows", "any_count", "count_unknown"]
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,13 @@ def any_count(tensor):
         return tensor
     unknown = tf.TensorShape([None]).concatenate(shape[1:])
     return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=unknown)
+
+
+def count_unknown(tensor) -> bool:
+    """Whether `tensor`'s first dimension (or its rank) is not known in the traced graph, as a
+    replica's rows' is (`any_count`)."""
+    shape = tensor.shape
+    return shape.rank is None or (shape.rank > 0 and shape[0] is None)
 
 
 def _differentiable(tensor) -> bool:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from kmirror._core.keras_hooks import reductions
 from kmirror._core.keras_hooks.row_axes import reduced_axes, shape_read
 
-__all__ = ["RULES", "held", "rank", "over", "named_axes", "static"]
+__all__ = ["RULES", "held", "rank", "over", "named_axes", "static", "counts_rows"]
 
 
 def held(tensor) -> frozenset:
@@ -123,7 +123,7 @@ _COUNTING = {"StridedSlice", "Prod", "Pack", "Mul", "Add", "AddV2", "Sub", "Maxi
 _COUNTING |= {"FloorDiv", "Cast", "Identity", "Range", "Squeeze", "Reshape", "ConcatV2"}
 
 
-def _counts_rows(tensor, depth: int = 8) -> bool:
+def counts_rows(tensor, depth: int = 8) -> bool:
     """Whether integer `tensor` is computed from the count of the call's rows: the size of a
     tensor holding them, or the dimension of its shape that holds them."""
     op = getattr(tensor, "op", None)
@@ -137,12 +137,12 @@ def _counts_rows(tensor, depth: int = 8) -> bool:
         return bool(held(shaped) & axes) if axes is not None else bool(held(shaped))
     if depth == 0 or op.type not in _COUNTING:
         return False
-    return any(_counts_rows(source, depth - 1) for source in op.inputs)
+    return any(counts_rows(source, depth - 1) for source in op.inputs)
 
 
 def _cast(given) -> str | None:
     number = tf.as_dtype(given["DstT"])
-    if not (number.is_floating or number.is_complex) or not _counts_rows(given["x"]):
+    if not (number.is_floating or number.is_complex) or not counts_rows(given["x"]):
         return None
     return "computes with the count of the rows of its call as a number (ops.shape(x)[0])"
 

@@ -58,22 +58,23 @@ def combine_losses(own: OwnStep, rows: Rows | None) -> None:
 
 def join_attributes(own: OwnStep, join: Callable | None) -> None:
     """The tensors the call's layers set on themselves from the replica's rows, as one device
-    sets them from the whole batch: each of the call's rows joined (`join`); one the replicas
-    cannot join (a value over the rows, not one per row) is refused when the step reads it. After
-    a call that ran whole (`join` None) they are one device's already."""
+    sets them from the whole batch (`join`: `call_results.whole_value`); one the replicas cannot
+    make (None) is refused when the step reads it. After a call that ran whole (`join` None) they
+    are one device's already."""
     if join is None:
         own.set_in_call.clear()
         return
     for key in own.set_in_call:
         layer, name, value = own.attributes[key]
-        value = join(value) if containers.per_row(value) else _FromRows(layer, name, value)
+        joined = join(value)
+        value = _FromRows(layer, name, value) if joined is None else joined
         own.attributes[key] = (layer, name, value)
     own.set_in_call.clear()
 
 
 @dataclass(frozen=True)
 class _FromRows:
-    """A layer's attribute a call set from the replica's rows only, not one per row."""
+    """A layer's attribute a call set from the replica's rows, which the replicas cannot join."""
 
     layer: Layer
     name: str
@@ -82,10 +83,10 @@ class _FromRows:
     def refused(self) -> ValueError:
         return ValueError(
             f"kmirror: the model's own step reads `{self.name}` of layer "
-            f"'{self.layer.name}', which its call set to a value computed from the replica's "
-            "rows of the batch, not one value per row, and which its replicas cannot join into "
-            "the whole batch's value. Set one value per row in the call (and reduce over the "
-            "rows in the step), or return the value from the call."
+            f"'{self.layer.name}', which its call set from the replica's rows of the batch "
+            "(holding them in another axis than the first, or their count on this replica), and "
+            "which its replicas cannot join into the whole batch's value. Set one value per row "
+            "in the first axis, or return the value from the call."
         )
 
 

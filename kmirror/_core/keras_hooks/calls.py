@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import backend
 from keras.src.layers.layer import Layer
 
 from kmirror._core.global_batch import Split
 from kmirror._core.keras_hooks import (
+    call_results,
     call_state,
     containers,
     mixing,
@@ -138,12 +138,15 @@ def _call(layer, *args, **kwargs):
             reductions.over_rows(layer, seeds, call_rows),
         ):
             outputs = _on_rows(layer, args, kwargs)
+            where = call_results.placed(own, outputs)
     finally:
         _state.inside = False
     call_state.combine_losses(own, call_rows)
-    call_state.join_attributes(own, lambda value: _joined(value, split, own))
-    containers.join(own, lambda value: _joined(value, split, own))
-    return tf.nest.map_structure(lambda output: _joined(output, split, own), outputs)
+    call_state.join_attributes(own, lambda v: call_results.whole_value(v, split, own, where))
+    containers.join(own, lambda v: call_results.whole_value(v, split, own, where))
+    return tf.nest.map_structure(
+        lambda output: call_results.output(output, split, own, where, layer), outputs
+    )
 
 
 def _on_rows(layer, args, kwargs):
@@ -195,24 +198,6 @@ def _as_many_rows(tensor, reference) -> bool:
 
 def _tensor(leaf):
     return tf.convert_to_tensor(leaf) if isinstance(leaf, np.ndarray) else leaf
-
-
-def _joined(output, split: Split, own: OwnStep):
-    if not tf.is_tensor(output):
-        return output
-    if output.shape.rank == 0:
-        raise ValueError(
-            "kmirror: a layer called in the model's own step returned a scalar, which its replicas "
-            "compute from their rows only and cannot join into the whole batch's value. Return "
-            "one value per row from the layer, and reduce over the rows in the step."
-        )
-    mask = backend.get_keras_mask(output)
-    joined = split.joined(output)
-    if mask is not None:
-        backend.set_keras_mask(joined, split.joined(mask))
-    own.joins[id(joined)] = (joined, output, split)
-    own.provenance.mark(joined)
-    return joined
 
 
 def _install() -> None:

@@ -8,9 +8,10 @@ of its own (its shadow), which that replica reads and writes from then on; the c
 is left as it was, and the other replicas read their own.
 
 In a model's own step, a tensor a call on the replica's rows put there is, when the call
-returns, the whole batch's as one device computes it (`join`): one value per row of the call is
-joined from every replica's rows; another (a value over the rows) is refused when the step
-reads it. After the step each container holds what the first replica
+returns, the whole batch's as one device computes it (`join`, `call_results`): one value per row
+of the call is joined from every replica's rows, a value holding none of them is one device's
+already; one the replicas cannot make (the rows in another axis, their count on the replica) is
+refused when the step reads it. After the step each container holds what the first replica
 left in it, as a traced step leaves it on one device (`settle`). In kmirror's own step the
 shadows are the replica's, and the containers are left as they were.
 
@@ -31,7 +32,7 @@ from keras.src.utils import tracking
 from kmirror._core.keras_hooks.own_thread import OwnStep, current_step, inside_layer_call
 from kmirror._core.keras_hooks.replica import current
 
-__all__ = ["per_row", "begin_compiled_call", "fresh", "adopt", "join", "settle", "install"]
+__all__ = ["begin_compiled_call", "fresh", "adopt", "join", "settle", "install"]
 
 #: Each tracked container class, its builtin base, the methods that write to it and those
 #: that read it.
@@ -54,7 +55,8 @@ _compiled = threading.local()  # `shadows`: kmirror's step on this replica
 
 
 class _FromRows:
-    """A tensor a call put in a container from the replica's rows, not one value per row."""
+    """A tensor a call put in a container from the replica's rows, which the replicas cannot
+    join."""
 
     def __init__(self, value) -> None:
         self.value = value
@@ -62,10 +64,10 @@ class _FromRows:
     def refused(self) -> ValueError:
         return ValueError(
             "kmirror: the model's own step reads from a list or dict of a layer a value its "
-            "call put there, computed from the replica's rows of the batch and not one value "
-            "per row, which its replicas cannot join into the whole batch's value. Put one "
-            "value per row in the call (and reduce over the rows in the step), or return the "
-            "value from the call."
+            "call put there from the replica's rows of the batch (holding them in another axis "
+            "than the first, or their count on this replica), which its replicas cannot join "
+            "into the whole batch's value. Put one value per row in the first axis there, or "
+            "return the value from the call."
         )
 
 
@@ -85,12 +87,6 @@ def adopt(own: OwnStep, container) -> None:
     shadow = _copy(base, container)
     own.shadows[id(container)] = (container, shadow)
     own.put_in_call.update(id(v) for v in (shadow if base is list else shadow.values()))
-
-
-def per_row(value) -> bool:
-    """Whether a tensor a call kept holds one value per row of the call (its first dimension
-    the rows', unknown when traced): the replicas join theirs into the whole batch's."""
-    return bool(value.shape.rank) and value.shape[0] is None
 
 
 def begin_compiled_call() -> None:
@@ -118,9 +114,8 @@ def join(own: OwnStep, joined: Callable | None) -> None:
     def one(value):
         if not tf.is_tensor(value) or id(value) not in put:
             return value
-        if per_row(value):
-            return joined(value)
-        return _FromRows(value)
+        found = joined(value)
+        return _FromRows(value) if found is None else found
 
     for _container, shadow in own.shadows.values():
         if isinstance(shadow, dict):

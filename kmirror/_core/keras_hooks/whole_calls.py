@@ -12,8 +12,10 @@ on every replica:
   backward, a replica's rows get the sum over the replicas of their gradient;
 - its other inputs (weights, data the model holds, a statistic) are taken as they are;
 - within it, reductions are TensorFlow's own, over the whole batch, as on one device;
-- of its outputs, each replica takes its rows (a replica without rows: one row of the batch,
-  where it computed on one row not its own): what follows in its pass has its rows' shape.
+- of its outputs, each replica takes its rows where they hold the rows in axis 0 (a replica
+  without rows: one row of the batch, where it computed on one row not its own): what follows in
+  its pass has its rows' shape. An output holding none of them (a statistic of the whole batch)
+  is one device's value, taken whole; one holding them in another axis is refused.
 
 A replica's loss then reads its rows of one device's output, and the weights' gradients summed
 over the replicas are one device's. The layer's first, partial call is left unused in the graph;
@@ -30,9 +32,10 @@ import dataclasses
 import tensorflow as tf
 from keras.src import backend
 
-from kmirror._core.global_batch import computed_rows
+from kmirror._core.global_batch import computed_rows, count_unknown
 from kmirror._core.keras_hooks import reductions
 from kmirror._core.keras_hooks.replica import replica as replica_rows
+from kmirror._core.keras_hooks.row_axes import NONE, RowAxes
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["run"]
@@ -41,7 +44,7 @@ __all__ = ["run"]
 def run(layer, args, kwargs, call, refused: str):
     """`call(args, kwargs)` (`layer`'s call) on the whole batch, this replica's rows of its
     outputs returned."""
-    rows = reductions.rows()
+    rows, seeds = reductions.rows(), []
 
     def joined(leaf):
         if not tf.is_tensor(leaf) or isinstance(leaf, tf.Variable):
@@ -57,6 +60,7 @@ def run(layer, args, kwargs, call, refused: str):
                 "model's own train_step, outside the layer's call, on the whole batch."
             ) from None
         whole = _joined(leaf, rows, refused)
+        seeds.append(whole)
         mask = backend.get_keras_mask(leaf)
         if mask is not None and reductions.held(mask) == {0}:
             backend.set_keras_mask(whole, _joined(mask, rows, refused))
@@ -66,10 +70,12 @@ def run(layer, args, kwargs, call, refused: str):
         whole_args, whole_kwargs = tf.nest.map_structure(joined, (args, kwargs))
     with reductions.outside(), replica_rows(dataclasses.replace(rows, whole=True)):
         outputs = call(whole_args, whole_kwargs)
+    axes = RowAxes(seeds)  # where the whole call's tensors hold the rows of the batch
     with reductions.paused():
-        taken = tf.nest.map_structure(lambda output: _taken(output, rows), outputs)
-    for output in tf.nest.flatten(taken):
-        reductions.taken(output)  # in axis 0, however kmirror's collectives joined them
+        taken = tf.nest.map_structure(lambda out: _taken(out, axes.of(out), rows, refused), outputs)
+    for output, whole in zip(tf.nest.flatten(taken), tf.nest.flatten(outputs)):
+        if output is not whole:
+            reductions.taken(output)  # in axis 0, however kmirror's collectives joined them
     return taken
 
 
@@ -105,10 +111,19 @@ def _joined(tensor, rows: Rows, refused):
     return summed
 
 
-def _taken(output, rows: Rows):
-    """This replica's rows of a whole call's `output` (a scalar: all of it), and of its mask."""
-    if not tf.is_tensor(output) or output.shape.rank == 0:
+def _taken(output, held, rows: Rows, refused: str):
+    """This replica's rows of a whole call's `output` (and of its mask) where it holds the rows
+    in axis 0; all of it where it holds none (a statistic of the whole batch, a weight's value):
+    one device's value. Where `row_axes` loses them, a first dimension not known says they are
+    there (`call_results`)."""
+    if not tf.is_tensor(output) or held is None or held == NONE and not count_unknown(output):
         return output
+    if held and held != {0}:
+        raise ValueError(
+            f"{refused} kmirror ran the call on the whole batch, but an output of it holds the "
+            f"rows in axes {sorted(held)}, not in axis 0: a replica cannot take its rows of it. "
+            "Return the rows in the first axis (transpose inside the call)."
+        )
     first, computed = _computed(rows)
     taken = output[first : first + computed]
     mask = backend.get_keras_mask(output)
