@@ -84,9 +84,9 @@ class _FromRows:
         return ValueError(
             f"kmirror: the model's own step reads `{self.name}` of layer "
             f"'{self.layer.name}', which its call set from the replica's rows of the batch "
-            "(holding them in another axis than the first, or their count on this replica), and "
-            "which its replicas cannot join into the whole batch's value. Set one value per row "
-            "in the first axis, or return the value from the call."
+            "(holding them in another axis than the first, their count on this replica, or, in "
+            "eager mode, any tensor), and which its replicas cannot join into the whole batch's "
+            "value. Set one value per row in the first axis, or return the value from the call."
         )
 
 
