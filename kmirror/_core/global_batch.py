@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-__all__ = ["Split", "computed_rows", "any_count", "count_unknown"]
+__all__ = ["Split", "computed_rows", "any_count", "rows_first"]
 
 
 @dataclass(frozen=True)
@@ -210,11 +210,18 @@ def any_count(tensor):
     return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=unknown)
 
 
-def count_unknown(tensor) -> bool:
-    """Whether `tensor`'s first dimension (or its rank) is not known in the traced graph, as a
-    replica's rows' is (`any_count`)."""
+def rows_first(held, tensor) -> bool | None:
+    """Whether `tensor`, which a layer call on the replica's rows left, holds them in axis 0
+    (True) or none of them (False: a statistic of the rows, a weight's value), from where the
+    call's graph says it holds them (`held`: axes, empty, or None where not computed from them);
+    None where they cannot be taken so (another axis, the replica's count). Where the graph's
+    rules lose the rows (empty `held`), a first dimension not known in the traced graph, as a
+    replica's rows' is (`any_count`), says they are there: a statistic has its dimensions known."""
     shape = tensor.shape
-    return shape.rank is None or (shape.rank > 0 and shape[0] is None)
+    unknown = shape.rank is None or (shape.rank > 0 and shape[0] is None)
+    if held == {0} or (held is not None and not held and unknown):
+        return True
+    return None if held else False
 
 
 def _differentiable(tensor) -> bool:

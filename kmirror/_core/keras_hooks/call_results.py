@@ -12,8 +12,8 @@ is known from how the traced call computed it (`reductions.held`, read while the
   value already, and taken as it is. Going backward it is a value every replica computed whole,
   as the step's own values are (`_core.global_batch`). Where the rules of `row_axes` lose the
   rows of a tensor (an op of unknown rank, a transpose by axes the call computes), a first
-  dimension not known, as a replica's rows have, says it holds them there; a statistic over the
-  rows has its dimensions known;
+  dimension not known, as a replica's rows have, says it holds them there
+  (`global_batch.rows_first`);
 - in other axes, or a count of the replica's rows (`ops.shape(x)[0]`, a number the call took
   from its rows' shape: `by_place`): the replicas cannot make the whole batch's value. An output
   is refused; a kept value is refused when the step reads it (`call_state`, `containers`).
@@ -27,10 +27,9 @@ from __future__ import annotations
 import tensorflow as tf
 from keras.src import backend
 
-from kmirror._core.global_batch import Split, count_unknown
+from kmirror._core.global_batch import Split, rows_first
 from kmirror._core.keras_hooks import by_place, reductions
 from kmirror._core.keras_hooks.own_thread import OwnStep
-from kmirror._core.keras_hooks.row_axes import NONE
 
 __all__ = ["placed", "whole_value", "output"]
 
@@ -58,10 +57,10 @@ def whole_value(value, split: Split, own: OwnStep, where: dict | None, kept: boo
         return value
     if where is None:  # eager mode
         return None if kept or not value.shape.rank else _joined(value, split, own)
-    axes = where.get(id(value), _COUNT)
-    if axes == {0} or (axes == NONE and count_unknown(value)):
-        return _joined(value, split, own)
-    return value if axes is None or axes == NONE else None
+    first = rows_first(where.get(id(value), _COUNT), value)
+    if first is None:
+        return None
+    return _joined(value, split, own) if first else value
 
 
 def output(value, split: Split, own: OwnStep, where: dict | None, layer):

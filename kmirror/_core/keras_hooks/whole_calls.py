@@ -32,10 +32,10 @@ import dataclasses
 import tensorflow as tf
 from keras.src import backend
 
-from kmirror._core.global_batch import computed_rows, count_unknown
+from kmirror._core.global_batch import computed_rows, rows_first
 from kmirror._core.keras_hooks import reductions
 from kmirror._core.keras_hooks.replica import replica as replica_rows
-from kmirror._core.keras_hooks.row_axes import NONE, RowAxes
+from kmirror._core.keras_hooks.row_axes import RowAxes
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["run"]
@@ -114,11 +114,11 @@ def _joined(tensor, rows: Rows, refused):
 def _taken(output, held, rows: Rows, refused: str):
     """This replica's rows of a whole call's `output` (and of its mask) where it holds the rows
     in axis 0; all of it where it holds none (a statistic of the whole batch, a weight's value):
-    one device's value. Where `row_axes` loses them, a first dimension not known says they are
-    there (`call_results`)."""
-    if not tf.is_tensor(output) or held is None or held == NONE and not count_unknown(output):
+    one device's value (`global_batch.rows_first`)."""
+    first = rows_first(held, output) if tf.is_tensor(output) else False
+    if first is False:
         return output
-    if held and held != {0}:
+    if first is None:
         raise ValueError(
             f"{refused} kmirror ran the call on the whole batch, but an output of it holds the "
             f"rows in axes {sorted(held)}, not in axis 0: a replica cannot take its rows of it. "
