@@ -12,6 +12,8 @@ from the global batch (tests/features.py lists them in the exactness matrix).
 - `prototypes_model`: a layer called with inputs that are not rows (prototypes, a broadcast row).
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -22,6 +24,19 @@ from real_models import precision
 
 FLOATX = "float64"
 ROWS, WIDTH, LATENT = 101, 6, 3
+
+
+def _seeded(build):
+    """A builder of this module: `build` makes and compiles its model with Keras seeded and in
+    float64."""
+
+    @functools.wraps(build)
+    def built(*args, **kwargs):
+        keras.utils.set_random_seed(1)
+        with precision(FLOATX):
+            return build(*args, **kwargs)
+
+    return built
 
 
 def unlabelled(seed: int = 8, rows: int = ROWS):
@@ -67,11 +82,10 @@ class RawLogs(keras.Model):
         return {"c_loss": c_loss, "g_loss": g_loss, "critic_real": ops.mean(critic_real, axis=0)[0]}
 
 
+@_seeded
 def raw_logs():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = RawLogs()
-        model.compile()
+    model = RawLogs()
+    model.compile()
     return model
 
 
@@ -88,19 +102,18 @@ class MeanSquareStep(keras.Sequential):
         return {"loss": loss}
 
 
+@_seeded
 def batch_norm_step():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = MeanSquareStep(
-            [
-                keras.Input((WIDTH,)),
-                L.Dense(8),
-                L.BatchNormalization(),
-                L.Activation("tanh"),
-                L.Dense(2),
-            ]
-        )
-        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model = MeanSquareStep(
+        [
+            keras.Input((WIDTH,)),
+            L.Dense(8),
+            L.BatchNormalization(),
+            L.Activation("tanh"),
+            L.Dense(2),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
     return model
 
 
@@ -116,11 +129,10 @@ class PerRowLoss(keras.Sequential):
         return {"loss": ops.mean(losses)}
 
 
+@_seeded
 def per_row_loss():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = PerRowLoss([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.001))
+    model = PerRowLoss([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.001))
     return model
 
 
@@ -150,11 +162,10 @@ class InfoNCE(keras.Model):
         return {"loss": loss}
 
 
+@_seeded
 def info_nce():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = InfoNCE()
-        model.compile(optimizer=keras.optimizers.Adam(0.01))
+    model = InfoNCE()
+    model.compile(optimizer=keras.optimizers.Adam(0.01))
     return model
 
 
@@ -175,11 +186,10 @@ class GlobalDraw(RawLogs):
         return {"g_loss": g_loss}
 
 
+@_seeded
 def global_draw():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = GlobalDraw()
-        model.compile()
+    model = GlobalDraw()
+    model.compile()
     return model
 
 
@@ -227,11 +237,10 @@ class UnevenMetric(RawLogs):
         return {"g_loss": g_loss, "distance": self.distance.result()}
 
 
+@_seeded
 def uneven_metric():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = UnevenMetric()
-        model.compile()
+    model = UnevenMetric()
+    model.compile()
     return model
 
 
@@ -248,12 +257,11 @@ class ComputeLoss(keras.Sequential):
         return {"loss": loss}
 
 
+@_seeded
 def regularised():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        dense = L.Dense(8, "tanh", kernel_regularizer=keras.regularizers.L2(0.05))
-        model = ComputeLoss([keras.Input((WIDTH,)), dense, L.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    dense = L.Dense(8, "tanh", kernel_regularizer=keras.regularizers.L2(0.05))
+    model = ComputeLoss([keras.Input((WIDTH,)), dense, L.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     return model
 
 
@@ -279,11 +287,10 @@ class GradientPenalty(RawLogs):
         return {"c_loss": c_loss, "penalty": penalty}
 
 
+@_seeded
 def gradient_penalty():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = GradientPenalty()
-        model.compile()
+    model = GradientPenalty()
+    model.compile()
     return model
 
 
@@ -332,11 +339,10 @@ def _mse(a, b):
     return ops.mean(ops.square(a - b))
 
 
+@_seeded
 def two_domains_model():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = TwoDomains()
-        model.compile()
+    model = TwoDomains()
+    model.compile()
     return model
 
 
@@ -375,11 +381,10 @@ class Prototypes(keras.Model):
         return {"loss": loss}
 
 
+@_seeded
 def prototypes_model():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = Prototypes()
-        model.compile(optimizer=keras.optimizers.SGD(0.1))
+    model = Prototypes()
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
     return model
 
 
@@ -440,11 +445,10 @@ class SelfSupervised(keras.Model):
         return {"p_loss": self.p_loss.result()}
 
 
+@_seeded
 def self_supervised():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = SelfSupervised()
-        model.compile(loss="mse", metrics=["mae"])
+    model = SelfSupervised()
+    model.compile(loss="mse", metrics=["mae"])
     return model
 
 
@@ -474,14 +478,13 @@ class Unseeded(RawLogs):
         return {"g_loss": g_loss}
 
 
+@_seeded
 def unseeded():
-    keras.utils.set_random_seed(1)
     # Keras 3.15's set_random_seed also resets Keras' global seed generator, so a seeded program
     # draws alike run after run; Keras 3.12's keeps it: reset it here as 3.15 does.
     global_state.set_global_attribute("global_seed_generator", None)
-    with precision(FLOATX):
-        model = Unseeded()
-        model.compile()
+    model = Unseeded()
+    model.compile()
     return model
 
 
@@ -502,11 +505,10 @@ class SupervisedContrastive(keras.losses.Loss):
         return ops.mean(keras.losses.categorical_crossentropy(targets, logits, from_logits=True))
 
 
+@_seeded
 def compiled_contrastive():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "relu"), L.Dense(4)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=SupervisedContrastive())
+    model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "relu"), L.Dense(4)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=SupervisedContrastive())
     return model
 
 
@@ -515,36 +517,35 @@ def classes():
     return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0), None
 
 
+@_seeded
 def coupled_losses(coupled: bool = True):
     """Keras' own losses and metrics that couple a batch's rows: Dice and Tversky as metrics of a
     sigmoid output, and (`coupled`) Dice as its loss and Circle as the loss of an embedding of the
     same rows; else losses of one row each (the compiled step, whose metrics must still see the
     whole batch)."""
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        inputs = keras.Input((WIDTH,))
-        hidden = L.Dense(8, "tanh")(inputs)
-        mask = L.Dense(4, "sigmoid", name="mask")(hidden)
-        embedding = L.Dense(3, name="embedding")(hidden)
-        model = keras.Model(inputs, {"mask": mask, "embedding": embedding})
-        losses = (
-            {"mask": keras.losses.Dice(), "embedding": keras.losses.Circle()}
-            if coupled
-            else {
-                "mask": "binary_crossentropy",
-                "embedding": keras.losses.SparseCategoricalCrossentropy(True),
-            }
-        )
-        model.compile(
-            optimizer=keras.optimizers.Adam(0.01),
-            loss=losses,
-            metrics={
-                "mask": [
-                    keras.metrics.MeanMetricWrapper(keras.losses.dice, name="dice"),
-                    keras.metrics.MeanMetricWrapper(keras.losses.tversky, name="tversky"),
-                ]
-            },
-        )
+    inputs = keras.Input((WIDTH,))
+    hidden = L.Dense(8, "tanh")(inputs)
+    mask = L.Dense(4, "sigmoid", name="mask")(hidden)
+    embedding = L.Dense(3, name="embedding")(hidden)
+    model = keras.Model(inputs, {"mask": mask, "embedding": embedding})
+    losses = (
+        {"mask": keras.losses.Dice(), "embedding": keras.losses.Circle()}
+        if coupled
+        else {
+            "mask": "binary_crossentropy",
+            "embedding": keras.losses.SparseCategoricalCrossentropy(True),
+        }
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=losses,
+        metrics={
+            "mask": [
+                keras.metrics.MeanMetricWrapper(keras.losses.dice, name="dice"),
+                keras.metrics.MeanMetricWrapper(keras.losses.tversky, name="tversky"),
+            ]
+        },
+    )
     return model
 
 
@@ -555,20 +556,19 @@ def masks_and_classes():
     return x, {"mask": mask, "embedding": classes_}, None
 
 
+@_seeded
 def random_crop():
     """Keras' RandomCrop in training mode: one crop offset per batch (a draw of shape `()`)."""
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = keras.Sequential(
-            [
-                keras.Input((6, 6, 2)),
-                L.RandomCrop(4, 4, seed=2),
-                L.Conv2D(3, 3),
-                L.GlobalAveragePooling2D(),
-                L.Dense(2),
-            ]
-        )
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            L.RandomCrop(4, 4, seed=2),
+            L.Conv2D(3, 3),
+            L.GlobalAveragePooling2D(),
+            L.Dense(2),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model
 
 
@@ -598,11 +598,10 @@ class Reshuffled(keras.utils.PyDataset):
         self.x, self.y = self.x[order], self.y[order]
 
 
+@_seeded
 def reshuffled_model():
-    keras.utils.set_random_seed(1)
-    with precision(FLOATX):
-        model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    model = keras.Sequential([keras.Input((WIDTH,)), L.Dense(8, "tanh"), L.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     return model
 
 
