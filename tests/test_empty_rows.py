@@ -9,6 +9,8 @@ through every way kmirror computes a step, evaluate and predict, and the error a
 gets in such a batch.
 """
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -82,6 +84,15 @@ STEPS = {
 }
 
 
+@functools.cache
+def _depthwise_reference(step: str):
+    """The depthwise model of `step` trained on one device: (model, history), once per process
+    (the cases that split the rows and prefetch them share it)."""
+    x, y = _images()
+    reference = _depthwise(**STEPS[step])
+    return reference, _fit(reference, x, y)
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["split", "prefetched"])
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_depthwise_convolutions_train_as_on_one_device_when_replicas_get_no_rows(step, prefetch):
@@ -89,8 +100,7 @@ def test_depthwise_convolutions_train_as_on_one_device_when_replicas_get_no_rows
     one device in float64 (measured 1e-16), in kmirror's step, a model's own train_step, each
     replica's pass compiled with XLA, rows split in the step or prefetched to the replicas."""
     x, y = _images()
-    reference = _depthwise(**STEPS[step])
-    expected = _fit(reference, x, y)
+    reference, expected = _depthwise_reference(step)
     model = kmirror.wrap(_depthwise(**STEPS[step]), devices=cpus(3), prefetch=prefetch)
     history = _fit(model, x, y)
 
