@@ -14,6 +14,7 @@ LAYERS = [
     # What kmirror knows of the machine, Keras and TensorFlow.
     ["versions", "errors", "files", "devices", "tf_hooks", "tf_hooks.graphs", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
+    + ["keras_hooks.symbolic"]
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.provenance", "keras_hooks.own_thread"]
     + ["keras_hooks.nested", "keras_hooks.row_axes", "keras_hooks.batch_sums"]

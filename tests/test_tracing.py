@@ -68,3 +68,39 @@ def test_the_graphs_of_a_models_steps_are_freed_with_it():
     model = trained()
     assert _graphs_alive() == before
     assert model() is None
+
+
+class Counted(keras.layers.Dense):
+    """A Dense layer counting the passes through it: each replica's trace is one."""
+
+    passes = 0
+
+    def call(self, inputs):
+        Counted.passes += 1
+        return super().call(inputs)
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_the_first_fit_passes_through_a_built_model_once_per_replica(kind):
+    """Keras builds a model's compiled loss and metrics from its outputs' specs, which it learns
+    by a forward pass over the batch's specs; the wrapped model logs with metrics of its own,
+    built from the same outputs. A built functional or sequential model knows its outputs: the
+    first fit makes no pass but each replica's (before: one pass for the user's model, another
+    for the wrapped model's metrics)."""
+    x, y = dense_data()
+    keras.utils.set_random_seed(1)
+    layers = [keras.layers.Dense(8, "tanh"), Counted(3)]
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((x.shape[1],)), *layers])
+    else:
+        inputs = keras.Input((x.shape[1],))
+        model = keras.Model(inputs, layers[1](layers[0](inputs)))
+    model.compile(
+        "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
+    Counted.passes = 0
+    wrapped = kmirror.wrap(model, "hierarchical_copy", devices=cpus(3))
+    rows = 3 * BATCH  # every batch alike: one trace
+    history = wrapped.fit(x[:rows], y[:rows], batch_size=BATCH, epochs=1, verbose=0).history
+    assert Counted.passes == 3
+    assert sorted(history) == ["accuracy", "loss"]

@@ -83,6 +83,7 @@ class Builder:
         data_batch, _ = rows_lib.unpack(data_batch)
         for optimizer in mirroring.optimizers(model):
             self._mirror.train(optimizer)  # building may build an optimizer too
+        outputs = None  # the specs of the model's outputs for the batch, once computed
         if own_training:
             own_step.build_as_one_device(model, step, data_batch)
             self._traced.add(step)
@@ -90,12 +91,12 @@ class Builder:
                 self._traced_with.update(mirroring.optimizers(model))
         elif not done:
             with self._mirror.scope():
-                keras_hooks.symbolic_build(model, _symbolic(data_batch))
+                outputs = keras_hooks.symbolic_build(model, _symbolic(data_batch))
         if not own_training and model.compiled:
             self._mirror.build_optimizer(model.optimizer, model.trainable_variables)
         if metrics is not None and not metrics.built:
             # The logs' metrics are updated outside the replicas, from their summed states.
-            keras_hooks.symbolic_build(self._wrapped, _symbolic(data_batch))
+            keras_hooks.build_compiled(self._wrapped, _symbolic(data_batch), outputs)
         self._mirror.mirror(model)
         self._built()
 

@@ -16,14 +16,15 @@ the optimizers kmirror trains apply as on one device. The package also holds eve
 Keras internals, so that it is the only place that touches them: `storage` (the `tf.Variable`
 behind a Keras variable, which kmirror mirrors in place), `writes` (which variables a replica's
 step assigns, a model's seed generators and moving statistics), `model_state` (a model's compile
-arguments, compiled loss and metrics, symbolic build, saving cache, the epoch a restored `fit`
-starts at), `overrides` (the private methods Keras calls on a model and on its checkpoint and
-TensorBoard callbacks, routed to kmirror's methods) and `reading` (the order in which Keras'
-array adapter draws rows, its class weights and validation split, what its PyDataset adapter
-makes of a batch, the data adapter of a distributed dataset, the passes Keras begins over a
-dataset) and `calls` (a model's own step computes as one device, its layer calls on a replica's
-rows). A Keras upgrade checks this package. Checked on Keras 3.15.1 with TensorFlow 2.21.0
-(`make test`) and on Keras 3.12.4 with TensorFlow 2.19.1 (`make test-compat`).
+arguments, compiled loss and metrics, saving cache, the epoch a restored `fit` starts at),
+`symbolic` (a model and its compiled loss and metrics built from a batch's specs), `overrides` (the
+private methods Keras calls on a model and on its checkpoint and TensorBoard callbacks, routed to
+kmirror's methods) and `reading` (the order in which Keras' array adapter draws rows, its class
+weights and validation split, what its PyDataset adapter makes of a batch, the data adapter of a
+distributed dataset, the passes Keras begins over a dataset) and `calls` (a model's own step
+computes as one device, its layer calls on a replica's rows). A Keras upgrade checks this package.
+Checked on Keras 3.15.1 with TensorFlow 2.21.0 (`make test`) and on Keras 3.12.4 with TensorFlow
+2.19.1 (`make test-compat`).
 """
 
 from kmirror import versions
@@ -51,8 +52,6 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     resume_at_epoch,
     resumed_epoch,
     rowwise_step,
-    symbolic_build,
-    symbolic_evaluation,
     with_masks,
 )
 from kmirror._core.keras_hooks.optimizers import (  # noqa: E402
@@ -94,6 +93,11 @@ from kmirror._core.keras_hooks.replica import (  # noqa: E402
 )
 from kmirror._core.keras_hooks.rows import Rows  # noqa: E402
 from kmirror._core.keras_hooks.storage import forget_traces, storage, store  # noqa: E402
+from kmirror._core.keras_hooks.symbolic import (  # noqa: E402
+    build_compiled,
+    symbolic_build,
+    symbolic_evaluation,
+)
 from kmirror._core.keras_hooks.writes import moving_statistics, recording, seed_states  # noqa: E402
 
 __all__ = [
@@ -153,6 +157,7 @@ __all__ = [
     "resume_at_epoch",
     "resumed_epoch",
     "symbolic_build",
+    "build_compiled",
     "symbolic_evaluation",
     "with_masks",
 ]

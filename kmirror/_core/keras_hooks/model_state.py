@@ -1,5 +1,5 @@
 """A Keras model's own state as Keras keeps it: its compile arguments, compiled loss, metrics and
-loss tracker, symbolic build, saving cache, the epoch a restored `fit` starts at, and its outputs'
+loss tracker, saving cache, the epoch a restored `fit` starts at, and its outputs'
 masks.
 """
 
@@ -9,7 +9,6 @@ import functools
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
 from keras.src.backend.common import masking as keras_masking
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.trainers.compile_utils import CompileMetrics
@@ -22,8 +21,6 @@ __all__ = [
     "loss_tracker",
     "compiled_metric_list",
     "metric_function",
-    "symbolic_build",
-    "symbolic_evaluation",
     "resolve_auto_jit_compile",
     "calls_with_training",
     "resume_at_epoch",
@@ -75,25 +72,6 @@ def compiled_metric_list(metric) -> list | None:
 def metric_function(metric):
     """The function a `keras.metrics.MeanMetricWrapper` averages."""
     return metric._fn
-
-
-def symbolic_build(model, data_batch) -> None:
-    """Builds `model`, its compiled loss and metrics from one batch, as Keras' `fit` does under a
-    strategy. (`MirroredModel` overrides Keras' `_maybe_symbolic_build`, where `fit`, `evaluate`
-    and `predict` call this.)"""
-    model._symbolic_build(data_batch=data_batch)
-
-
-def symbolic_evaluation(model, data_batch) -> None:
-    """Computes `model`'s outputs and compiled loss on `data_batch` (KerasTensors) symbolically,
-    as Keras' `_symbolic_build` does: raises what evaluating that batch would raise; runs
-    nothing and changes no state."""
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-    y_pred = keras_backend.compute_output_spec(model, x, training=False)
-    if y is not None and compiled_loss(model) is not None:
-        keras_backend.compute_output_spec(
-            model.compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
-        )
 
 
 def resolve_auto_jit_compile(model) -> bool:
