@@ -85,8 +85,8 @@ def test_the_first_fit_passes_through_a_built_model_once_per_replica(kind):
     """Keras builds a model's compiled loss and metrics from its outputs' specs, which it learns
     by a forward pass over the batch's specs; the wrapped model logs with metrics of its own,
     built from the same outputs. A built functional or sequential model knows its outputs: the
-    first fit makes no pass but each replica's (before: one pass for the user's model, another
-    for the wrapped model's metrics)."""
+    first fit makes no pass but each replica's (Keras' own build, run for the user's model and
+    for the wrapped one, makes 2 more)."""
     x, y = dense_data()
     keras.utils.set_random_seed(1)
     layers = [keras.layers.Dense(8, "tanh"), Counted(3)]
