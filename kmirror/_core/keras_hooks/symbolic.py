@@ -25,6 +25,8 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.models.functional import Functional
 
+from kmirror._core.keras_hooks.model_state import compiled_loss, compiled_metrics
+
 __all__ = ["symbolic_build", "build_compiled", "symbolic_evaluation"]
 
 
@@ -42,7 +44,7 @@ def build_compiled(model, data_batch, outputs=None) -> None:
     """Builds `model`'s compiled metrics and loss, those not built yet, as Keras does from
     `data_batch` and `model`'s outputs' specs (`outputs`; computed here when None)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
-    metrics, loss = model._compile_metrics, model._compile_loss
+    metrics, loss = compiled_metrics(model), compiled_loss(model)
     metrics_unbuilt = metrics is not None and not metrics.built
     loss_unbuilt = loss is not None and not loss.built
     if not (metrics_unbuilt or loss_unbuilt):
@@ -65,7 +67,7 @@ def symbolic_evaluation(model, data_batch) -> None:
     nothing and changes no state."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data_batch)
     y_pred = keras_backend.compute_output_spec(model, x, training=False)
-    if y is not None and model._compile_loss is not None:
+    if y is not None and compiled_loss(model) is not None:
         keras_backend.compute_output_spec(
             model.compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
         )
