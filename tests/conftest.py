@@ -5,9 +5,16 @@ Tests pick 1 to 7 of them with `devices=cpus(n)`.
 `make test` runs the suite in 2 processes (pytest-xdist, `--dist loadgroup`): most of a test's time
 is tracing TensorFlow graphs in Python, on one core. Tests run in groups, one process per group:
 each module's tests together (they share references and jobs), each deep model's together (they
-share its single-device reference), and every test that launches a job of several processes in
-one group, so that no two jobs start at once (each picks free ports, and a port freed by one could
-be taken by the other before its processes bind it). The costliest groups are handed out first.
+share its single-device reference), and the tests that launch jobs of several processes in two
+groups, so that no two jobs of a group start at once:
+
+- "horovod jobs": Horovod's ranks bind port 0 (Gloo), and Ray Train picks its workers' ports by
+  binding port 0 and releasing them, which another process's bind to port 0 could take before
+  Ray's workers bind them.
+- "ring jobs": the launcher picks the workers' ports below the kernel's ephemeral range, where no
+  bind to port 0 reaches, so they run beside the Horovod jobs.
+
+The costliest groups are handed out first.
 """
 
 import os
@@ -23,7 +30,8 @@ import kmirror  # noqa: E402
 MAX_DEVICES = 7
 kmirror.devices.simulate(MAX_DEVICES)
 
-#: The tests that launch jobs of several processes: modules, or tests by name.
+#: The tests that launch jobs of several processes: modules, or tests by name. Those whose names
+#: say "horovod", and Ray's, are the "horovod jobs"; the others the "ring jobs".
 JOBS = (
     "tests/test_horovod.py",
     "tests/test_multi_worker.py",
@@ -38,7 +46,8 @@ JOBS = (
 )
 #: Groups handed out first, costliest first (the others follow in the order collected).
 FIRST = (
-    "jobs",
+    "horovod jobs",
+    "ring jobs",
     "deep DenseNet121",
     "deep ResNet50",
     "deep EfficientNetB0",
@@ -79,7 +88,8 @@ def cpus(n: int) -> list[str]:
 
 def group(item) -> str:
     if any(item.nodeid == job or item.nodeid.startswith(job + "::") for job in JOBS):
-        return "jobs"
+        horovod = "horovod" in item.nodeid or item.nodeid.startswith("tests/test_ray.py")
+        return "horovod jobs" if horovod else "ring jobs"
     deep = item.callspec.params.get("name") if hasattr(item, "callspec") else None
     if "test_deep_model" in item.nodeid and deep:
         return f"deep {deep}"

@@ -23,6 +23,8 @@ import kmirror
 
 HERE = Path(__file__).parent
 TIMEOUT = 240
+#: The first port the kernel hands out for port 0 and outgoing connections (Linux).
+EPHEMERAL = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 
 
 def test_nan_on_one_replicas_rows_stops_training_at_that_step_before_its_update():
@@ -122,7 +124,10 @@ def test_a_port_in_use_is_named_and_a_free_one_is_picked_otherwise(mode):
         else:
             workers = json.loads(environment["TF_CONFIG"])["cluster"]["worker"]
             assert all(w.startswith("127.0.0.1:") for w in workers)
-            assert str(port) not in [w.split(":")[1] for w in workers]
+            ports = [int(w.split(":")[1]) for w in workers]
+            assert port not in ports
+            # below the ports the kernel hands out for port 0, which another program could take
+            assert max(ports) < EPHEMERAL, (ports, EPHEMERAL)
 
 
 def run_capturing(command, mode):

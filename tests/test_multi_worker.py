@@ -5,6 +5,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from multi_process import (
 
 import kmirror
 from kmirror import cluster
+from kmirror._core.launching import rendezvous
 
 HERE = Path(__file__).parent
 PYTHON = sys.executable
@@ -180,18 +182,18 @@ def test_shuffled_epochs_see_every_sample_once(workers):
 
 
 def consecutive_free_ports(count: int) -> int:
-    """The first of `count` consecutive ports free on loopback now."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                with contextlib.ExitStack() as stack:
-                    for offset in range(1, count):
-                        stack.enter_context(socket.socket()).bind(("127.0.0.1", port + offset))
-            except OSError:
-                continue
-        return port
+    """The first of `count` consecutive ports free on loopback now, from where the launcher picks
+    free ports (below the kernel's ephemeral range: no other process's bind to port 0 takes them
+    before the tasks bind them)."""
+    below = range(rendezvous._LOWEST, rendezvous._ephemeral_start() - count)
+    for first in random.sample(below, 100):
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
     raise RuntimeError("no consecutive free ports on loopback")
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 __all__ = ["job_environment", "tf_config_environment", "python_path"]
 
@@ -60,8 +62,42 @@ def tf_config_environment(
     ]
 
 
+#: The lowest port chosen: above the ports services commonly use and those Ray gives its workers
+#: (10002 to 19999 by default).
+_LOWEST = 20000
+
+
 def _free_ports(n: int) -> list[int]:
-    """n distinct ports free on 127.0.0.1 right now (held open together, so all differ)."""
+    """n distinct ports free on 127.0.0.1 now, chosen below the kernel's ephemeral range where it
+    leaves room: the workers bind them seconds later, and no other process's bind to port 0 or
+    outgoing connection takes a port from below that range in the meantime."""
+    ephemeral = _ephemeral_start()
+    if ephemeral - _LOWEST < 100 * n:
+        return _kernel_ports(n)
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for port in random.sample(range(_LOWEST, ephemeral), 50 * n):
+            try:
+                stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    return _kernel_ports(n)
+
+
+def _ephemeral_start() -> int:
+    """The first port of the range the kernel binds port 0 and outgoing connections to (Linux's
+    setting; elsewhere the range IANA reserves for them, from 49152)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+def _kernel_ports(n: int) -> list[int]:
+    """n distinct ports the kernel picks as free (held open together, so all differ)."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
         for s in sockets:
