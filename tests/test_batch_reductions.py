@@ -12,6 +12,7 @@ too. In eager mode a reduction that may be over the rows is named in a warning."
 import functools
 import warnings
 
+import call_steps
 import keras
 import numpy as np
 import pytest
@@ -330,11 +331,16 @@ def test_in_eager_mode_a_reduction_over_the_rows_warns_naming_the_layer(own_step
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             wrapped.fit(x, y, batch_size=18, epochs=1, verbose=0)
-        seen[eager] = [str(w.message) for w in caught if "in eager mode" in str(w.message)]
+        seen[eager] = [str(w.message) for w in caught if _names_an_op(str(w.message))]
     named = [m.split("layer ")[1].split(" takes")[0] for m in seen[True]]
     assert sorted(set(named)) == ["'centred' (MeanOfRows)", "'statistics' (BatchNormalization)"]
     assert "run_eagerly=False" in seen[True][0] and "a mean" in seen[True][0]
     assert seen[False] == []
+
+
+def _names_an_op(message: str) -> bool:
+    """An eager-mode warning naming an operation (not a call kmirror cannot check)."""
+    return "in eager mode" in message and "cannot check" not in message
 
 
 class AttendingRows(L.Layer):
@@ -367,10 +373,69 @@ def test_in_eager_mode_an_op_combining_the_rows_warns_naming_the_layer():
             model.compile(optimizer="sgd", loss="mse", run_eagerly=bool(eager))
             wrapped = model if eager is None else kmirror.wrap(model, devices=cpus(2))
             wrapped.fit(x, y, batch_size=18, epochs=1, shuffle=False, verbose=0)
-        seen[eager] = [str(w.message) for w in caught if "in eager mode" in str(w.message)]
+        seen[eager] = [str(w.message) for w in caught if _names_an_op(str(w.message))]
         weights[eager] = model.get_weights()
     assert len(seen[True]) == 1, seen[True]
     assert "layer 'attending' (AttendingRows)" in seen[True][0]
     assert "sums over the rows" in seen[True][0] and "run_eagerly=False" in seen[True][0]
     assert seen[False] == []
     assert max_weight_difference(Weights(weights[None]), Weights(weights[False])) < 1e-10
+
+
+def test_in_eager_mode_a_call_kmirror_cannot_check_warns_naming_it():
+    """In eager mode what a call computes from its inputs does not say where its rows are: a
+    standard deviation over groups of rows regrouped by a reshape, or a Keras softmax over the
+    rows (computed on the rows moved to the last axis), is each replica's own, which no rule
+    sees. The call on a replica's rows (the model) is named in a warning, once; not on one
+    replica, nor traced."""
+    x, y = _data(32)
+    seen = {}
+    for eager, replicas in ((True, 2), (False, 2), (True, 1)):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((x.shape[1],)),
+                L.Dense(8),
+                GroupedSpread(),
+                L.Softmax(axis=0),
+                L.Dense(y.shape[1]),
+            ],
+            name="grouping",
+        )
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=eager)
+        wrapped = kmirror.wrap(model, devices=cpus(replicas))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        seen[eager, replicas] = [str(w.message) for w in caught if "cannot check" in str(w.message)]
+    assert len(seen[True, 2]) == 1, seen[True, 2]
+    assert "cannot check what 'grouping' (Sequential) computes across the rows" in seen[True, 2][0]
+    assert "rows regrouped by a reshape" in seen[True, 2][0]
+    assert "run_eagerly=False" in seen[True, 2][0]
+    assert seen[False, 2] == [] and seen[True, 1] == []
+
+
+def test_in_eager_mode_a_step_calling_a_layer_on_data_the_model_holds_warns():
+    """In eager mode a call's rows are its first input's: a model's own step calling its layer
+    on a graph the model holds (40 nodes) for a batch of 9 node indices is named in a warning
+    that gives both row counts (here, on a CPU, each replica's part of the nodes then fails the
+    lookup of a node outside it; a GPU's lookup gives zeros). Traced, the call runs whole: no
+    warning (the exactness matrix's `own_step_held_graph`)."""
+    nodes, labels, _ = call_steps.node_batches()
+    seen = {}
+    for eager in (True, False):
+        model = call_steps.node_classifier()
+        model.compile(optimizer=model.optimizer, run_eagerly=eager)
+        wrapped = kmirror.wrap(model, devices=cpus(2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if eager:  # each replica's part of the nodes: a node index out of range on a CPU
+                with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+                    wrapped.fit(nodes[:9], labels[:9], batch_size=9, epochs=1, verbose=0)
+            else:
+                wrapped.fit(nodes[:9], labels[:9], batch_size=9, epochs=1, verbose=0)
+        seen[eager] = [str(w.message) for w in caught if "on 40 rows" in str(w.message)]
+    assert len(seen[True]) == 1, seen[True]
+    assert "layer 'message_passing' (MessagePassing)" in seen[True][0]
+    assert "the step's batch has 9" in seen[True][0] and "run_eagerly=False" in seen[True][0]
+    assert seen[False] == []

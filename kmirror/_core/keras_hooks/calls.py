@@ -32,6 +32,7 @@ from kmirror._core.keras_hooks import (
     call_results,
     call_state,
     containers,
+    eager_rows,
     mixing,
     other_ops,
     reductions,
@@ -96,6 +97,8 @@ def _call(layer, *args, **kwargs):
     if not of_batch:  # the model's own data only: the call runs whole, as on one device
         return _whole(own, layer, args, kwargs)
     reference = next(_tensor(t) for t in batched if id(t) in of_batch)  # the call's rows
+    if None in known:
+        eager_rows.warn_split(layer, reference.shape[0], own.provenance.batch_rows())
     split = Split.of(reference, own.index, own.replicas, own.all_gather, own.all_sum)
     rows_taken = set()  # the inputs taken as the replica's rows (not whole)
 

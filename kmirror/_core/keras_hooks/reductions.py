@@ -17,9 +17,9 @@ where the reduced tensor holds the rows (`row_axes`):
 Anything else (over other axes, a weight, data the model holds) is Keras' own; so is every
 reduction outside such a call, or while kmirror computes its own values (`paused`: a loss'
 normaliser, weighted by the replica's share of the rows instead, `replica`). In eager mode
-(`run_eagerly=True`) they stay the replica's, and one that may be over the rows warns
-(`eager_rows`). In a loop's body or a branch a call builds, a sum over the rows runs the call
-whole (`nested`).
+(`run_eagerly=True`) they stay the replica's; one that may be over the rows warns, as does a
+call kmirror cannot check (`eager_rows`). In a loop's body or a branch a call builds, a sum over
+the rows runs the call whole (`nested`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
     """Within this block (on this thread) `layer` is called on the replica's rows: `seeds` (the
     tensors of the call that are rows of the batch) and what is computed from them."""
     install()
-    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager_rows.inputs(seeds)))
+    eager = eager_rows.inputs(seeds, layer, rows)
+    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager))
 
 
 def within(layer, inputs=()) -> contextlib.AbstractContextManager:
