@@ -28,13 +28,16 @@ import tensorflow as tf
 
 from kmirror._core.tf_hooks import graphs
 
-__all__ = ["captured", "loop_rows", "inside", "CARRIERS", "carried"]
+__all__ = ["captured", "loop_rows", "inside", "CARRIERS", "carried", "LIST_READS"]
 
 _LOOPS = {"While", "StatelessWhile"}
+#: The ops reading a tensor list's elements by their index, the stacked tensor's axis 0: of a
+#: list over the rows, an element is one row of the batch, taken by its place.
+LIST_READS = {"TensorListGetItem", "TensorListGather", "TensorListPopBack"}
 #: The ops whose outputs say where they hold the rows through a nested graph or a tensor list.
-CARRIERS = _LOOPS | {"If", "StatelessIf", "TensorListFromTensor", "TensorListGetItem"}
-CARRIERS |= {"TensorListSetItem", "TensorListStack", "TensorListGather", "TensorListPushBack"}
-CARRIERS |= {"TensorListPopBack", "TensorListScatterV2", "TensorListScatterIntoExistingList"}
+CARRIERS = _LOOPS | LIST_READS | {"If", "StatelessIf", "TensorListFromTensor", "TensorListStack"}
+CARRIERS |= {"TensorListSetItem", "TensorListPushBack", "TensorListScatterV2"}
+CARRIERS |= {"TensorListScatterIntoExistingList"}
 CARRIERS |= {"Identity", "IdentityN"}  # of a list too, whose shape says nothing of the rows
 
 
@@ -94,8 +97,7 @@ def _listed(kind: str, index: int, held: list) -> frozenset | None:
     if kind == "TensorListGetItem" or (kind == "TensorListPopBack" and index == 1):
         if not handle:
             return handle
-        # an element of a list over the rows is one row of the batch, holding none
-        return frozenset() if 0 in handle else frozenset(a - 1 for a in handle)
+        return frozenset() if 0 in handle else frozenset(a - 1 for a in handle)  # `LIST_READS`
     if kind in ("TensorListSetItem", "TensorListPushBack"):
         item = held[2 if kind == "TensorListSetItem" else 1]
         return _union([handle, item and frozenset(a + 1 for a in item)])

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from kmirror._core.keras_hooks import reductions
+from kmirror._core.keras_hooks import nested, reductions
 from kmirror._core.keras_hooks.by_place import named_axes, rank
 from kmirror._core.tf_hooks import graphs
 
@@ -86,10 +86,8 @@ _ALONG: dict[str, Callable] = {
     "CumulativeLogsumexp": lambda i, a: (0, named_axes(i[1], i[0])),
     "ReverseV2": lambda i, a: (0, named_axes(i[1], i[0])),  # `tf.reverse` by another name
     "ReverseSequence": lambda i, a: (0, {a["seq_dim"].i}),
-    "TensorListGetItem": lambda i, a: (0, {0}),  # an element of a list over the rows: one row
-    "TensorListGather": lambda i, a: (0, {0}),
-    "TensorListPopBack": lambda i, a: (0, {0}),
 }
+_ALONG |= dict.fromkeys(nested.LIST_READS, lambda i, a: (0, {0}))
 
 
 def _tiled(inputs) -> set | None:
