@@ -98,8 +98,8 @@ def warn_combining(layer, what: str) -> None:
 def warn_unchecked(layer, rows) -> None:
     """Warns once per layer called on a replica's part of the batch's rows (`rows`: `count` of
     `total`) in eager mode: the model in kmirror's step, each call a model's own step makes."""
-    if int(rows.count) == int(rows.total):
-        return
+    if "its call" in _warned.get(layer, ()) or int(rows.count) == int(rows.total):
+        return  # named already, or the replica holds every row (read only until it is named)
     _warn_once(
         layer,
         "its call",
