@@ -16,6 +16,9 @@ exactness matrix).
   the call's output. The layer also adds a loss of the nodes' states.
 - `prototypes`: a call whose inputs mix the batch's rows and a table the model holds with as many
   rows as the batch (33 prototypes, batches of 33).
+- `stateful_rnn`: a stateful LSTM (cross-batch statefulness, as Keras' RNN guide trains it): row
+  i of each batch continues row i of the batch before, from states the layer holds in Keras
+  variables it does not track, paired with the call's rows entry by entry; a compiled model.
 """
 
 import keras
@@ -262,3 +265,23 @@ def nearest_prototype():
     table = np.random.default_rng(7).normal(size=(PROTOTYPES, WIDTH))
     distances = ((x[:, None, :] - table[None]) ** 2).sum(-1)
     return x, np.argmin(distances, axis=1), None
+
+
+STREAMS, STEPS = 7, 4  # batches of 7 streams (uneven over 2 and 3 replicas), every batch full
+
+
+def stateful_rnn():
+    keras.utils.set_random_seed(1)
+    with precision(FLOATX):
+        inputs = keras.Input((STEPS, 2), batch_size=STREAMS)
+        carried = L.LSTM(6, stateful=True)(inputs)
+        model = keras.Model(inputs, L.Dense(1)(carried))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+def streams():
+    """4 batches of 7 streams: each step's target the stream's last value, half of it, plus its
+    first value's second feature."""
+    x = np.random.default_rng(9).normal(size=(4 * STREAMS, STEPS, 2))
+    return x, x[:, -1, :1] * 0.5 + x[:, 0, 1:], None

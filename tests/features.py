@@ -555,6 +555,13 @@ FEATURES = {
         for form in ("cond", "flag")
         for kind in ("raw", "keras")
     },
+    "compiled_stateful_rnn": Feature(
+        call_steps.stateful_rnn,
+        call_steps.streams,
+        batch_size=call_steps.STREAMS,
+        tolerance=1e-10,
+        floatx="float64",
+    ),
     "own_step_two_optimizers": Feature(
         gradient_steps.two_optimizers,
         global_steps.unlabelled,

@@ -168,10 +168,10 @@ class OwnStep(keras.Model):
         return {"error": loss}  # logged as it is (Keras logs its own loss tracker for "loss")
 
 
-def _model(layer_class, own_step: bool) -> keras.Model:
+def _model(layer_class, own_step: bool, built_on: int = 4) -> keras.Model:
     model = OwnStep(layer_class) if own_step else _network(layer_class)
     model.compile(optimizer="sgd", loss=None if own_step else "mse")
-    model(np.zeros((4, 5), keras.config.floatx()))
+    model(np.zeros((built_on, 5), keras.config.floatx()))
     return model
 
 
@@ -191,6 +191,35 @@ def test_a_reduction_over_the_rows_that_is_not_a_sum_runs_the_call_whole(name, o
         expected = reference.fit(x, y, batch_size=36, epochs=2, shuffle=False, verbose=0)
         wrapped = kmirror.wrap(_model(layer_class, own_step), devices=cpus(3))
         history = wrapped.fit(x, y, batch_size=36, epochs=2, shuffle=False, verbose=0)
+    assert max_weight_difference(reference, wrapped) < 1e-10
+    assert_same_history(expected.history, history.history, rtol=1e-10, atol=1e-10)
+
+
+class PlacedState(L.Layer):
+    """Each row paired by its place in the batch with a row of a table the layer holds, as many
+    as the batch's rows, and with a state it carries from batch to batch (as a stateful RNN)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(35, shape[-1]), initializer="glorot_uniform")
+        self.carried = self.add_weight(shape=(35, shape[-1]), initializer="zeros", trainable=False)
+
+    def call(self, x):
+        paired = x * self.table + self.carried
+        self.carried.assign(ops.tanh(paired))
+        return paired
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
+def test_a_call_pairing_its_rows_with_held_values_by_place_runs_whole(own_step):
+    """Batches of 35 (12, 12 and 11 rows on 3 replicas): row i of the batch is paired with row i
+    of the table and of the carried state on one device, so the call runs on the whole batch.
+    Float64, 2 epochs: weights, the carried state and the logs within 1e-10 of one device."""
+    x, y = _data(70)
+    with precision("float64"):
+        reference, wrapped = (_model(PlacedState, own_step, built_on=35) for _ in range(2))
+        expected = reference.fit(x, y, batch_size=35, epochs=2, shuffle=False, verbose=0)
+        wrapped = kmirror.wrap(wrapped, devices=cpus(3))
+        history = wrapped.fit(x, y, batch_size=35, epochs=2, shuffle=False, verbose=0)
     assert max_weight_difference(reference, wrapped) < 1e-10
     assert_same_history(expected.history, history.history, rtol=1e-10, atol=1e-10)
 

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmirror._core import keras_hooks, mirroring, own_step
@@ -80,7 +81,7 @@ class Builder:
             for _, _, batches in iterator:
                 data_batch = next(batches)
                 break
-        data_batch, _ = rows_lib.unpack(data_batch)
+        data_batch = _as_one_device(*rows_lib.unpack(data_batch))
         for optimizer in mirroring.optimizers(model):
             self._mirror.train(optimizer)  # building may build an optimizer too
         outputs = None  # the specs of the model's outputs for the batch, once computed
@@ -114,7 +115,7 @@ class Builder:
         training would advance a seeded shuffle, and the epochs would no longer be one device's."""
         if not isinstance(x, tf.data.Dataset):
             return
-        spec, _ = rows_lib.unpack(x.element_spec)
+        spec = _as_one_device(*rows_lib.unpack(x.element_spec))
         leaves = tf.nest.flatten(spec)
         if all(isinstance(s, tf.TensorSpec) and s.shape.rank is not None for s in leaves):
             self.build(data_batch=spec, step=step)
@@ -134,3 +135,21 @@ def _symbolic(data_batch):
         lambda t: keras.KerasTensor(t.shape, dtype=t.dtype) if isinstance(t, tf.TensorSpec) else t,
         data_batch,
     )
+
+
+def _as_one_device(data_batch, place):
+    """`data_batch` (tensors or specs) as one device builds from it: where it is this process's
+    rows of the global batch (`place` not None), specs of the global batch's shape, its rows'
+    count where `place` gives it (a stateful RNN's states have as many rows), else unknown."""
+    if place is None:
+        return data_batch
+    rows = int(place[1]) if isinstance(place, tf.Tensor | np.ndarray) else None
+
+    def spec(leaf):
+        if not isinstance(leaf, tf.Tensor | tf.TensorSpec | np.ndarray):
+            return leaf
+        if not tf.TensorShape(leaf.shape).rank:
+            return leaf
+        return tf.TensorSpec([rows, *leaf.shape[1:]], tf.as_dtype(leaf.dtype))
+
+    return tf.nest.map_structure(spec, data_batch)

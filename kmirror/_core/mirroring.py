@@ -10,7 +10,8 @@ variables. `unmirror` (at `unwrap`) gives each variable single-device storage ag
 trained value.
 
 Variables made later (a model built at its first batch, an optimizer built at its first update)
-are made in the scope (`Mirror.scope`) and so are mirrored from the start.
+are made in the scope (`Mirror.scope`) and so are mirrored from the start, as are the Keras
+variables a layer holds untracked (a stateful RNN's states) from `wrap`.
 
 A raw `tf.Variable` the model holds (a counter, gradient accumulators a model's own step writes)
 is no Keras variable, so it has no storage to replace: while the model is wrapped, the attribute,
@@ -38,7 +39,7 @@ import tensorflow as tf
 from kmirror._core import keras_hooks, tf_hooks
 from kmirror.reducers.base import Reducer
 
-__all__ = ["Mirror", "is_wrapped", "optimizers", "state", "raw_variables"]
+__all__ = ["Mirror", "is_wrapped", "optimizers", "state"]
 
 _mirrored_models = weakref.WeakKeyDictionary()  # a wrapped model's user model -> its Mirror
 
@@ -100,11 +101,10 @@ class Mirror:
     def _mirror_raw(self, model: keras.Model) -> int:
         """Puts a mirrored `tf.Variable` wherever `model` holds a raw one of its own (Keras may
         hold it in a dict of its own too): one stand-in per variable, in every place."""
-        strategy = self._reducer.strategy
-        made = 0
-        for holder, key, variable in raw_variables(model):
+        strategy, made = self._reducer.strategy, 0
+        for holder, key, variable in _held(model):
             owner = tf_hooks.strategy_of(variable)
-            if owner is strategy:
+            if owner is strategy or isinstance(variable, keras.Variable):
                 continue
             if owner is not None or isinstance(holder, tuple):
                 where = "in a tuple" if owner is None else "created in a tf.distribute scope"
@@ -199,10 +199,11 @@ def optimizers(model: keras.Model) -> list:
 
 def state(model: keras.Model) -> list:
     """Every variable training `model` reads or writes: its weights and random generators' states,
-    its optimizers' variables and its metrics'."""
+    its optimizers' and its metrics' variables, the Keras variables a layer holds untracked."""
     found, seen = [], set()
     groups = [model.variables, *(o.variables for o in optimizers(model))]
     groups += [metric.variables for metric in model.metrics]
+    groups.append([v for _, _, v in _held(model) if isinstance(v, keras.Variable)])
     for group in groups:
         for variable in group:
             if id(variable) not in seen:
@@ -211,16 +212,16 @@ def state(model: keras.Model) -> list:
     return found
 
 
-def raw_variables(model: keras.Model) -> list[tuple]:
-    """(holder, key, variable) for each place a raw `tf.Variable` (not a Keras variable's
-    storage) is held by `model` or a layer inside it: as an attribute (`holder` the layer, `key`
-    its name), or in a list, tuple or dict they hold (`key` its index or key)."""
+def _held(model: keras.Model) -> list[tuple]:
+    """(holder, key, variable) for each Keras variable or raw `tf.Variable` (not a Keras variable's
+    storage) `model` or a layer in it holds, outside optimizers and metrics: as an attribute
+    (`holder` the layer, `key` its name), or in a list, tuple or dict (`key` its index or key)."""
     found, seen = [], set()
 
     def visit(holder, key, value) -> None:
-        if isinstance(value, keras.Variable | keras.optimizers.Optimizer | keras.metrics.Metric):
+        if isinstance(value, keras.optimizers.Optimizer | keras.metrics.Metric):
             return
-        if isinstance(value, tf.Variable):
+        if isinstance(value, keras.Variable | tf.Variable):
             found.append((holder, key, value))
             return
         if id(value) in seen:

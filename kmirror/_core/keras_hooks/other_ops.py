@@ -9,7 +9,9 @@ rows is checked as it is made (`tf_hooks.graphs.watch_ops`), where an input of i
 - an op computing each element from the same elements of its inputs (`tf.exp`, `a * b`, a
   comparison, a cast), or moving values whose rows `row_axes` follows (a reshape, a transpose, a
   stack, a tensor list, a loop or a condition, whose own ops are checked as they are made): as
-  TensorFlow makes it;
+  TensorFlow makes it; but where it pairs the rows, entry by entry, with values that are not rows
+  (a table or a state the model holds with as many rows as the batch, a stateful RNN's), the
+  call runs whole;
 - an op computing each row on its own (resizing images, a cross-entropy of each row's logits): as
   TensorFlow makes it where the rows are in its first axis;
 - an op over its last axes (a Fourier transform, a matrix inverse or decomposition) or along an
@@ -28,7 +30,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from kmirror._core.keras_hooks import nested, reductions
+from kmirror._core.keras_hooks import elementwise, nested, reductions
 from kmirror._core.keras_hooks.by_place import named_axes, rank
 from kmirror._core.tf_hooks import graphs
 
@@ -39,19 +41,9 @@ def _names(text: str) -> set[str]:
     return set(text.split())
 
 
-#: Ops computing each element from the same elements of their inputs, broadcast.
-_PER_ELEMENT = _names(
-    """Abs Acos Acosh Add AddN AddV2 Angle ApproximateEqual Asin Asinh Atan Atan2 Atanh BesselI0e
-    BesselI1e Betainc BiasAdd BitwiseAnd BitwiseOr BitwiseXor Bucketize Ceil ClipByValue Complex
-    ComplexAbs Conj Cos Cosh Digamma Div DivNoNan Elu Equal Erf Erfc Erfinv Exp Expm1 Floor
-    FloorDiv FloorMod Greater GreaterEqual Igamma Igammac Imag Inv Invert IsFinite IsInf IsNan
-    LeakyRelu LeftShift Less LessEqual Lgamma Log Log1p LogicalAnd LogicalNot LogicalOr Maximum
-    Minimum Mod Mul MulNoNan Ndtri Neg NextAfter NotEqual Polygamma Pow Real RealDiv Reciprocal
-    Relu Relu6 RightShift Rint Round Rsqrt Select SelectV2 Selu Sigmoid Sign Sin Sinh Softplus
-    Softsign Sqrt Square SquaredDifference Sub Tan Tanh TruncateDiv TruncateMod Xdivy Xlog1py Xlogy
-    Zeta Cast Bitcast OneHot ZerosLike OnesLike Fill BroadcastTo LookupTableFindV2
-    StringToHashBucketFast"""
-)
+#: Ops computing each element from the same elements of their inputs: broadcast as NumPy does
+#: (`elementwise`), or not (a v1 `Select` by a vector, a bitcast, a one-hot, a fill).
+_PER_ELEMENT = elementwise.BROADCAST | _names("Select Bitcast OneHot Fill")
 #: Ops moving or keeping values whose rows `row_axes` follows; loops, conditions and functions,
 #: whose own ops are checked as they are made; writes (`writes`) and assertions.
 _MOVING = _names(
@@ -133,8 +125,42 @@ def _last(tensor, count: int) -> set | None:
     return None if dims is None else set(range(max(dims - count, 0), dims))
 
 
+def _paired(op_type: str, inputs) -> None:
+    """An op computing each element from the same elements of its inputs, broadcast, pairs the
+    rows of its call with values that are not rows (a weight, a constant, a table or state the
+    model holds) where those have more than one entry along an axis holding the rows: one device
+    pairs row i of the batch with entry i, a replica its row j (the batch's row `start + j`) with
+    entry j. The call runs whole. Only an axis where one input's dimension is unknown (as the
+    rows' count is) and another's known is looked at."""
+    shapes = [t.shape for t in inputs]
+    if any(shape.rank is None for shape in shapes):
+        return
+    out = max(shape.rank for shape in shapes)
+
+    def at(shape, axis):  # the dimension broadcasting aligns with the output's `axis`
+        index = axis - out + shape.rank
+        return shape[index] if index >= 0 else 1
+
+    axes = [a for a in range(out) if any(at(s, a) is None for s in shapes)]
+    axes = [a for a in axes if any((at(s, a) or 1) > 1 for s in shapes)]
+    if not axes:
+        return
+    held = [reductions.held(t) for t in inputs]
+    rows = elementwise.aligned(out, inputs, held)
+    for shape, axes_held in zip(shapes, held):
+        if not axes_held and any(a in rows and (at(shape, a) or 1) > 1 for a in axes):
+            reductions.combined(
+                f"computes TensorFlow's {op_type}, pairing the rows of its call in axes "
+                f"{sorted(rows)} with a tensor of shape {shape.as_list()} entry by entry"
+            )
+
+
 def _check(op_type: str, inputs, attrs) -> None:
-    if op_type in _PER_ELEMENT or op_type in _MOVING or not reductions.watching():
+    if op_type in _MOVING or not reductions.watching():
+        return
+    if op_type in _PER_ELEMENT:
+        if op_type in elementwise.BROADCAST and len(inputs) > 1:
+            _paired(op_type, inputs)
         return
     held = [reductions.held(t) or frozenset() for t in inputs]
     if not any(held):

@@ -5,9 +5,10 @@ some of its axes: its inputs in axis 0; a `Dense` or a convolution's output in a
 transpose moves them; a reshape may merge them with other values (`(rows, T, D)` to `(rows*T, D)`,
 still in axis 0) or part them into groups over two axes (`(rows, D)` to `(4, rows/4, D)`, in axes 0
 and 1). A statistic over the rows holds none: it is one value for all of them. `RowAxes.of` says
-which, from the traced graph: each op's rule, from where its inputs hold the rows. An op with no
-rule of its own keeps an input's row axis where its output has the same dimension there (unknown in
-both, or equal): at the same axis, else aligned from the last axis as broadcasting aligns them.
+which, from the traced graph: each op's rule, from where its inputs hold the rows. An op computing
+each element from its inputs' (`elementwise`) holds them where its inputs do, aligned from the last
+axis. An op with no rule of its own keeps an input's row axis where its output has the same
+dimension there (unknown in both, or equal): at the same axis, else aligned from the last axis.
 
 The tensors a call is given are the seeds: rows in axis 0. A tensor the call's graph does not
 compute from them (a weight, a constant, a captured table) holds no rows (`None`). In a function
@@ -22,7 +23,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kmirror._core.keras_hooks import nested
+from kmirror._core.keras_hooks import elementwise, nested
 
 __all__ = ["RowAxes", "NONE", "shape_read"]
 
@@ -79,12 +80,12 @@ class RowAxes:
             return nested.carried(tensor, held, self.of, lambda: _kept(tensor, op.inputs, held))
         if op.type in _SHAPES or tensor.shape.rank is None:
             return NONE
+        if op.type in elementwise.BROADCAST:  # whatever the dimensions broadcasting made known
+            return elementwise.aligned(tensor.shape.rank, op.inputs, held)
         rows = held[0] if op.inputs else None
-        if op.type in _REDUCTIONS and rows is not None:
-            keepdims = op.get_attr("keep_dims")
+        if (op.type in _REDUCTIONS or op.type in ("ArgMax", "ArgMin")) and rows is not None:
+            keepdims = op.type in _REDUCTIONS and op.get_attr("keep_dims")
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), keepdims)
-        if op.type in ("ArgMax", "ArgMin") and rows is not None:
-            return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), False)
         known = op.inputs and op.inputs[0].shape.rank is not None
         if op.type == "StridedSlice" and rows is not None and known and op.inputs[1].shape[0]:
             return _sliced(op, rows)
