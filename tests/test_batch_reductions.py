@@ -211,7 +211,7 @@ class PlacedState(L.Layer):
 
 @pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
 def test_a_call_pairing_its_rows_with_held_values_by_place_runs_whole(own_step):
-    """Batches of 35 (12, 12 and 11 rows on 3 replicas): row i of the batch is paired with row i
+    """Batches of 35 (11, 12 and 12 rows on 3 replicas): row i of the batch is paired with row i
     of the table and of the carried state on one device, so the call runs on the whole batch.
     Float64, 2 epochs: weights, the carried state and the logs within 1e-10 of one device."""
     x, y = _data(70)

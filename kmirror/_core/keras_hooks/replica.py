@@ -3,7 +3,8 @@
 For a replica's part to add up to the single-device step, what Keras decides per call is decided
 over the GLOBAL batch: a loss' divisor (row count, sum of sample weights, unmasked entries) is the
 global one, and Keras' division by the replica count is undone; a random draw is the replica's
-rows of one device's draw (a reduction over the rows in a layer: `reductions`). `replica(rows)`
+rows of one device's draw (a reduction over the rows in a layer: `reductions`); a stateful RNN
+does not compare the rows of its call with its states' (`_ExpectedBatchSize`). `replica(rows)`
 installs these (once) and makes them act for this thread's calls; elsewhere they are Keras' own.
 """
 
@@ -17,6 +18,7 @@ import tensorflow as tf
 from keras.src import ops
 from keras.src.backend.tensorflow import nn as keras_nn
 from keras.src.backend.tensorflow import random as keras_random
+from keras.src.layers.rnn.rnn import RNN
 from keras.src.losses import loss as keras_loss
 
 from kmirror._core.keras_hooks import reductions
@@ -129,6 +131,23 @@ def _compute_moments_sync(x, axes, keepdims):
     return keras_nn._compute_moments(x, axes, keepdims)
 
 
+# -- stateful RNNs -------------------------------------------------------------------------------
+class _ExpectedBatchSize:
+    """`RNN._expected_batch_size`, the rows of a stateful RNN's states, which its call compares
+    with its input's: None in a replica, whose rows are some of the batch's, their count unknown
+    to the trace (Keras 3.12 reads it as a tensor, and its comparison as a Python bool fails; 3.15
+    reads the static shape and skips it). The states, as many as the batch's rows, make the call
+    run whole (`other_ops`). Elsewhere the layer's own value (checked on Keras 3.12.4, 3.15.1)."""
+
+    def __get__(self, layer, owner=None):
+        if layer is None or current() is not None:
+            return None
+        return layer.__dict__.get("_expected_batch_size")
+
+    def __set__(self, layer, value) -> None:
+        layer.__dict__["_expected_batch_size"] = value
+
+
 # -- random draws ----------------------------------------------------------------------------------
 def _global_shape(shape, rows: Rows):
     """(the shape of one device's draw, the rows of it this replica takes) for a draw whose first
@@ -215,5 +234,6 @@ def install() -> None:
             _ORIGINAL[name] = getattr(keras_random, name)
         for module, name, replacement in targets:
             setattr(module, name, replacement)
+        RNN._expected_batch_size = _ExpectedBatchSize()
         for name in _RANDOM:
             setattr(keras_random, name, _drawing(name))
