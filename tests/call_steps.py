@@ -281,7 +281,7 @@ def stateful_rnn():
 
 
 def streams():
-    """4 batches of 7 streams: each step's target the stream's last value, half of it, plus its
-    first value's second feature."""
+    """4 batches of 7 streams of 4 steps; each stream's target half its last step's first
+    feature plus its first step's second feature."""
     x = np.random.default_rng(9).normal(size=(4 * STREAMS, STEPS, 2))
     return x, x[:, -1, :1] * 0.5 + x[:, 0, 1:], None
