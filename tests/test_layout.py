@@ -37,7 +37,7 @@ LAYERS = [
     # The model's state on the replicas, the steps and the input they take.
     ["mirroring", "feed.sharding", "feed.py_datasets", "feed.feeding", "feed.placement", "logged"]
     + ["layer_state"]
-    + ["accumulation", "own_gradients", "step", "own_step"],
+    + ["accumulation", "own_gradients", "step", "own_step", "tracing"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["_core.callbacks", "_core.callbacks.backup_folder", "_core.callbacks.backup"]
     + ["_core.callbacks.checkpoint"]

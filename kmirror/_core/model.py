@@ -23,9 +23,6 @@ one class. The names it answers as the user's model are `_core.answering`'s.
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import keras
 import tensorflow as tf
 
@@ -39,6 +36,7 @@ from kmirror._core import (
     mirroring,
     own_step,
     step,
+    tracing,
 )
 from kmirror._core.answering import AnswersAsModel
 from kmirror._core.callbacks import keras_own
@@ -46,34 +44,9 @@ from kmirror._core.chief_state import ChiefState
 from kmirror._core.feed import inputs as inputs_lib
 from kmirror._core.feed import placement
 from kmirror._core.feed import rows as rows_lib
-from kmirror._core.tf_hooks import graphs
 from kmirror.reducers.base import Reducer
 
 __all__ = ["MirroredModel"]
-
-
-_tracing: list = []  # per step being traced: the custom gradients as the first one began
-_tracing_lock = threading.Lock()
-
-
-def _released(step_method):
-    """A step whose traced graph is freed with its model: each `tf.custom_gradient` traced stays
-    in TensorFlow's gradient registry, holding its graph alive, until released; here once the last
-    step traced at once has returned (each step's gradients are taken within it)."""
-
-    @functools.wraps(step_method)
-    def method(self, data):
-        with _tracing_lock:
-            _tracing.append(_tracing[0] if _tracing else graphs.custom_gradients())
-        try:
-            return step_method(self, data)
-        finally:
-            with _tracing_lock:
-                before = _tracing.pop()
-                if not _tracing:
-                    graphs.release_custom_gradients(before)
-
-    return method
 
 
 class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
@@ -241,7 +214,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             return self._model.metrics
         return super().metrics
 
-    @_released
+    @tracing.traced
     def train_step(self, data):
         data, place = rows_lib.unpack(data)
         if self._own_training:
@@ -262,7 +235,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         self._samples_seen.assign_add(tf.cast(outcome.rows, tf.int64))
         return logged.record(self, data, outcome)
 
-    @_released
+    @tracing.traced
     def test_step(self, data):
         data, place = rows_lib.unpack(data)
         if self._own_training:
@@ -272,7 +245,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         )
         return logged.record(self, data, outcome)
 
-    @_released
+    @tracing.traced
     def predict_step(self, data):
         data, place = rows_lib.unpack(data)
         if "predict_step" in self._own_steps:

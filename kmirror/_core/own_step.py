@@ -113,7 +113,7 @@ def _run(
             replicas=reducer.num_replicas,
             all_gather=reducer.all_gather,
             all_sum=reducer.all_sum,
-            sum_only=reducer.replica_sum,
+            sums_only=reducer.replica_sums,
             reduce_gradients=reducer.reduce_in_replica,
             variable_scope=reducer.scope,
             recording=state.recording,

@@ -52,7 +52,7 @@ def _rows(
         count=batch_size(local),
         total=total,
         all_sum=_no_sums_under_xla if jit_compile else reducer.all_sum,
-        sum_only=_no_sums_under_xla if jit_compile else reducer.replica_sum,
+        sums_only=_no_sums_under_xla if jit_compile else reducer.replica_sums,
         global_statistics=global_statistics,
         padded=True,  # `one_row_at_least`
     )

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
+from kmirror.reducers import packing
 from kmirror.reducers.job import Job
 
 __all__ = ["Reducer", "check_num_packs", "present_only"]
@@ -28,8 +29,8 @@ class Reducer(abc.ABC):
     What a reducer must say is where its replicas are: `make_strategy`, a `tf.distribute`
     strategy with one replica per device. Everything else has a default on that strategy: the
     gradients' sum (`reduce_gradients`, also entered from a replica: `reduce_in_replica`), the
-    sums and gatherings of small values inside a step (`all_sum`, `all_gather`) and of per-replica
-    values after it (`sum`, `concat`). A reducer sums differently by overriding
+    sums and gatherings of small values inside a step (`all_sum`, `replica_sums`, `all_gather`)
+    and of per-replica values after it (`sum`, `concat`). A reducer sums differently by overriding
     `reduce_gradients`; one whose replicas live in several processes (Horovod, `Collective`)
     overrides the collectives it runs itself and returns its `kmirror.reducers.Job` from
     `make_job`.
@@ -94,8 +95,7 @@ class Reducer(abc.ABC):
             yield
 
     def make_job(self) -> Job:
-        """The processes of this reducer's job (called once, at the first use of `job`, after
-        `bind`): a job of one process unless overridden."""
+        """The processes of this reducer's job (made at the first use of `job`): one by default."""
         return Job()
 
     @property
@@ -127,9 +127,8 @@ class Reducer(abc.ABC):
         )
 
     def batches_on_devices(self, dataset: tf.data.Dataset) -> Any | None:
-        """`dataset`'s consecutive elements handed to the local replicas in turn, each prefetched
-        to its replica's device ahead of the step; None where this reducer does not prefetch
-        (the step then takes each replica's rows of the host batch)."""
+        """`dataset`'s elements handed to the local replicas in turn, each prefetched to its
+        replica's device ahead of the step; None: the step takes its rows of the host batch."""
         return None
 
     def replica_index(self) -> tf.Tensor:
@@ -144,8 +143,7 @@ class Reducer(abc.ABC):
         """Sums the replicas' gradients: the one point where gradients cross replicas.
 
         Called in cross-replica context with one per-replica value per gradient (None where a
-        variable has no gradient); returns per-replica values that hold the sum on every replica.
-        """
+        variable has no gradient); returns per-replica values holding the sum on every replica."""
 
         def batch_sum(present):
             pairs = [(g, g) for g in present]
@@ -164,7 +162,7 @@ class Reducer(abc.ABC):
 
         @tf.custom_gradient
         def summed(value, total):
-            return tf.identity(total), lambda upstream: (self.replica_sum(upstream), None)
+            return total, lambda upstream: (self.replica_sum(upstream), None)
 
         # The sum is computed outside the custom gradient: TensorFlow walks the graph from a
         # custom gradient's outputs back to its inputs, and a sum's inputs are every replica's.
@@ -175,6 +173,10 @@ class Reducer(abc.ABC):
         return tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, value, options=self.communication
         )
+
+    def replica_sums(self, values: list) -> list:
+        """`replica_sum` of each of `values` (of one dtype), in one sum of them packed."""
+        return packing.in_one(self.replica_sum, values)
 
     def reduce_in_replica(self, gradients: list) -> list:
         """`reduce_gradients` called from replica context (inside a model's own train_step):
@@ -228,10 +230,9 @@ def present_only(gradients: list, reduce: Callable[[list], list]) -> list:
 
 
 def _no_aggregation() -> contextlib.AbstractContextManager:
-    """Variables created in this scope are updated per replica: an assignment in a replica changes
-    that replica's copy (every replica applies the same summed gradient, and updates metrics with
-    the same global values, so copies stay equal). Metric variables, which Keras makes
-    synchronised on read, are mirrored like the others (read in any context)."""
+    """Variables created in this scope (metrics', which Keras makes synchronised on read, too) are
+    updated per replica: an assignment in a replica changes that replica's copy (every replica
+    applies the same summed gradient, updates metrics with the same values: copies stay equal)."""
 
     def creator(next_creator, **kwargs):
         kwargs["aggregation"] = tf.VariableAggregation.NONE

@@ -31,22 +31,31 @@ class InProcessReducer(Reducer):
         return tf.distribute.MirroredStrategy(devices, cross_device_ops=self.cross_device_ops())
 
     def replica_sum(self, value: tf.Tensor) -> tf.Tensor:
-        # Each replica's value copied to the first device, summed there and copied back: the
-        # sums of statistics and normalisers are small. (TensorFlow's own replica all_reduce gives
-        # its result a custom gradient whose tracing walks every replica's graph, at every call.)
-        def merge(strategy, per_replica):
-            values = strategy.experimental_local_results(per_replica)
-            with tf.device(values[0].device):
-                total = tf.math.add_n(values)
-            copies = []
-            for replica_value in values:
-                with tf.device(replica_value.device):
-                    copies.append(tf.identity(total))
-            return strategy.experimental_distribute_values_from_function(
-                lambda context: copies[context.replica_id_in_sync_group]
-            )
+        return self.replica_sums([value])[0]
 
-        return tf.distribute.get_replica_context().merge_call(merge, args=(value,))
+    def replica_sums(self, values: list) -> list:
+        # Each replica's values copied to the first device, summed there and copied back, in one
+        # merge and unpacked: the sums of statistics and normalisers are small. (TensorFlow's own
+        # replica all_reduce gives its result a custom gradient whose tracing walks every
+        # replica's graph, at every call.)
+        def merge(strategy, *per_replica):
+            summed = []
+            for value in per_replica:
+                local = strategy.experimental_local_results(value)
+                with tf.device(local[0].device):
+                    total = tf.math.add_n(local)
+                copies = []
+                for replica_value in local:
+                    with tf.device(replica_value.device):
+                        copies.append(tf.identity(total))
+                summed.append(
+                    strategy.experimental_distribute_values_from_function(
+                        lambda context, copies=copies: copies[context.replica_id_in_sync_group]
+                    )
+                )
+            return summed
+
+        return list(tf.distribute.get_replica_context().merge_call(merge, args=tuple(values)))
 
     def batches_on_devices(self, dataset: tf.data.Dataset):
         if self.num_replicas < 2:

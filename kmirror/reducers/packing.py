@@ -1,5 +1,6 @@
-"""Horovod's collectives with small tensors packed together: one negotiation per buffer instead
-of one per tensor (Horovod negotiates each tensor it is given; a deep model has hundreds).
+"""Small tensors packed together for one collective: Horovod's (one negotiation per buffer instead
+of one per tensor: Horovod negotiates each tensor it is given; a deep model has hundreds), and a
+reducer's sums of a few small values inside a step (`in_one`).
 
 Example:
 
@@ -10,9 +11,11 @@ summed = packing.packed_sum(hvd, gradients, num_packs=2)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
-__all__ = ["PACK_BELOW_BYTES", "packed_sum", "packed_broadcast"]
+__all__ = ["PACK_BELOW_BYTES", "packed_sum", "packed_broadcast", "in_one"]
 
 #: Gradients smaller than this are packed together before the all-reduce; larger ones are sent
 #: as they are.
@@ -73,3 +76,20 @@ def packed_broadcast(hvd, variables: list) -> None:
         flat = hvd.broadcast(flat, root_rank=0)
         for value, part in zip(values, tf.split(flat, [v.shape.num_elements() for v in values])):
             value.assign(tf.reshape(part, value.shape))
+
+
+def in_one(sum_one: Callable, tensors: list) -> list:
+    """`tensors` (of one dtype) summed by one call of `sum_one`: flattened, joined, summed, and
+    parted again into their shapes."""
+    if len(tensors) == 1:
+        return [sum_one(tensors[0])]
+    total = sum_one(tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0))
+    sizes = [t.shape.num_elements() for t in tensors]
+    if None in sizes:
+        sizes = tf.stack([tf.size(t) for t in tensors])
+    parts = tf.split(total, sizes, num=len(tensors))
+    return [tf.reshape(p, _shape(t)) for p, t in zip(parts, tensors)]
+
+
+def _shape(tensor):
+    return tensor.shape if tensor.shape.is_fully_defined() else tf.shape(tensor)

@@ -13,38 +13,40 @@ __all__ = ["whole_batch"]
 def whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows, local_sum):
     """The sum (or mean) over `axes` of the whole batch's `tensor`, from this replica's rows.
 
-    One packed sum over the replicas (the replica's sum, and its count for a mean) going forward;
+    The sum over the replicas of the replica's sum (and its count, for a mean) going forward;
     going backward, the sum over the replicas of the value's gradient, spread over the replica's
-    rows. Written as one custom gradient: TensorFlow's own gradients of the packing would add
-    tens of ops per reduction, hundreds of reductions in a deep model's step."""
+    rows. Written as one custom gradient: TensorFlow's own gradients of the sums would add tens
+    of ops per reduction, hundreds of reductions in a deep model's step; and with as few ops as
+    it can (each costs about 0.2 ms to trace; BatchNormalization makes two of these per call)."""
     tensor = tf.convert_to_tensor(tensor)
     dtype = tensor.dtype
     work = tensor if dtype.is_floating or dtype.is_complex else tf.cast(tensor, tf.float64)
     local = local_sum(work, axes, keep_dims=True)
-    kept = _static_or_dynamic(local)
-    final = _without(local.shape, axes) if not keepdims else local.shape.as_list()
-    if None in final:  # reshaped as the replica's sum is, then squeezed
-        final = None
-    packed = tf.reshape(local, [-1])
-    if op_type == "Mean":  # the values summed in each: the replica's count
-        count = tf.cast(tf.size(work), work.dtype) / tf.cast(tf.size(local), work.dtype)
-        packed = tf.concat([packed, [count]], 0)
-    if rows.padded:  # a replica without rows computed on a row not its own
-        has_rows = rows.has_rows(work.dtype)
-        packed = tf.math.multiply_no_nan(packed, has_rows)
-    total = (rows.sum_only or rows.all_sum)(packed)  # its gradient is `whole`'s, not the sum's
-    counted = ()
-    if op_type == "Mean":
-        total, count = tf.split(total, [-1, 1])
-        counted = (count,)
+    sums = rows.sums_only or (lambda values: [rows.all_sum(v) for v in values])
+    has_rows = rows.has_rows(work.dtype) if rows.padded else None
+
+    def summed(parts):  # their gradient is `whole`'s, not the sums'
+        if has_rows is not None:  # a replica without rows computed on a row not its own
+            parts = [tf.math.multiply_no_nan(part, has_rows) for part in parts]
+        return sums(parts)
+
+    if op_type != "Mean":
+        totals = summed([local])
+    else:  # the count summed once per tensor and axes (a variance's mean of squares: the mean's)
+        key = ("count", _shaped_as(work).ref(), tuple(axes), work.dtype)
+        counted = rows.made(key)
+        if counted is None:
+            totals = summed([local, _count(work, local)])
+            rows.once(key, lambda: totals[1])
+        else:
+            totals = summed([local]) + [counted]
 
     @tf.custom_gradient
     def whole(work, total, *counted):  # each an input: TensorFlow walks back to them, no further
         value = total / counted[0] if counted else total
-        value = tf.reshape(value, kept if final is None else final)
 
         def gradient(upstream):
-            spread = tf.reshape(rows.all_sum(upstream), kept)
+            spread = rows.all_sum(upstream)
             if counted:
                 spread = spread / counted[0]
             spread = tf.broadcast_to(spread, tf.shape(work))
@@ -54,17 +56,47 @@ def whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows, local_s
 
         return value, gradient
 
-    value = whole(work, total, *counted)
-    if final is None and not keepdims:
+    value = whole(work, *totals)  # the shape of the replica's sum, kept dimensions
+    if not keepdims:
         value = tf.squeeze(value, axes)
-    value.set_shape(local.shape if keepdims else _without(local.shape, axes))
-    return tf.cast(value, dtype)
+    return value if value.dtype == dtype else tf.cast(value, dtype)
 
 
-def _static_or_dynamic(tensor):
-    """`tensor`'s shape: a list of ints where it is known, else the tensor of it."""
-    return tensor.shape.as_list() if tensor.shape.is_fully_defined() else tf.shape(tensor)
+#: Ops computing each element from one input's element: their output has their input's shape.
+_ONE_INPUT = {"Identity", "Cast", "Square", "Neg", "Abs"}
+#: Ops computing each element from two inputs', broadcast (a difference from a statistic).
+_TWO_INPUTS = {"SquaredDifference", "Sub", "AddV2", "Mul", "RealDiv"}
 
 
-def _without(shape, axes: list):
-    return [d for i, d in enumerate(shape) if i not in axes]
+def _shaped_as(tensor):
+    """The tensor `tensor` is computed from element by element, in its shape (`tensor` itself if
+    none): its count of values along any axes is `tensor`'s."""
+    while True:
+        inputs = list(tensor.op.inputs)
+        if tensor.op.type in _ONE_INPUT and len(inputs) == 1:
+            tensor = inputs[0]
+        elif tensor.op.type in _TWO_INPUTS and len(inputs) == 2:
+            kept = [a for a, b in (inputs, inputs[::-1]) if _into(a, b)]
+            if not kept:
+                return tensor
+            tensor = kept[0]
+        else:
+            return tensor
+
+
+def _into(whole, other) -> bool:
+    """Whether `other` broadcast against `whole` leaves `whole`'s shape (its dimensions 1, or
+    known and equal to `whole`'s)."""
+    if other.shape.rank is None or whole.shape.rank is None or other.shape.rank > whole.shape.rank:
+        return False
+    pairs = zip(reversed(other.shape.as_list()), reversed(whole.shape.as_list()))
+    return all(o == 1 or (o is not None and o == w) for o, w in pairs)
+
+
+def _count(work, local):
+    """How many of `work`'s values each of `local` (its sum, kept dimensions) sums."""
+    count = tf.cast(tf.size(work), work.dtype)
+    summed = local.shape.num_elements()
+    if summed is None:
+        return count / tf.cast(tf.size(local), work.dtype)
+    return count if summed == 1 else count / summed

@@ -127,7 +127,7 @@ def _call(layer, *args, **kwargs):
         count=split.count,
         total=split.total,
         all_sum=own.all_sum,
-        sum_only=own.sum_only,
+        sums_only=own.sums_only,
         global_statistics=own.global_statistics,
         padded=True,
     )

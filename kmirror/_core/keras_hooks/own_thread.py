@@ -23,7 +23,7 @@ class OwnStep:
     replicas: int
     all_gather: Callable[[tf.Tensor], tf.Tensor]  # every replica's rows, in replica order
     all_sum: Callable[[tf.Tensor], tf.Tensor]
-    sum_only: Callable[[tf.Tensor], tf.Tensor]  # with no gradient of its own
+    sums_only: Callable[[list], list]  # of tensors of one dtype, with no gradient of their own
     reduce_gradients: Callable[[list], list]  # summed over the replicas, in replica context
     variable_scope: Callable[[], contextlib.AbstractContextManager]
     #: The block whose writes to the model's state are recorded (a call's pass on its rows),

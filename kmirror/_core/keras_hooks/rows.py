@@ -26,16 +26,25 @@ class Rows:
     #: Where the replica has no rows, its layers computed on one row of the batch instead (in
     #: a model's own step): only the first `count` rows are its own.
     padded: bool = False
-    #: The sum over every replica with no gradient of its own (None: `all_sum`'s).
-    sum_only: Callable[[tf.Tensor], tf.Tensor] | None = None
-    _flags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: The sums over every replica of tensors of one dtype, with no gradient of their own (None:
+    #: each `all_sum`'s).
+    sums_only: Callable[[list], list] | None = None
+    _made: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def has_rows(self, dtype) -> tf.Tensor:
         """1 where this replica has rows, else 0, in `dtype` (made once per graph)."""
-        key = (tf.compat.v1.get_default_graph(), dtype)
-        if key not in self._flags:
-            self._flags[key] = tf.cast(self.count > 0, dtype)
-        return self._flags[key]
+        return self.once(dtype, lambda: tf.cast(self.count > 0, dtype))
+
+    def once(self, key, make: Callable):
+        """`make()`, made once per graph and `key` for this replica (its value reused after)."""
+        key = (tf.compat.v1.get_default_graph(), key)
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def made(self, key):
+        """What `once` made for `key` in this graph, or None."""
+        return self._made.get((tf.compat.v1.get_default_graph(), key))
 
     def share(self, dtype) -> tf.Tensor:
         """This replica's fraction of the global batch's rows."""
