@@ -56,7 +56,8 @@ def whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows, local_s
 
         return value, gradient
 
-    value = whole(work, *totals)  # the shape of the replica's sum, kept dimensions
+    value = whole(work, *totals)
+    value.set_shape(local.shape)  # the replica's sum's, its dimensions kept (a sum may not say)
     if not keepdims:
         value = tf.squeeze(value, axes)
     return value if value.dtype == dtype else tf.cast(value, dtype)
