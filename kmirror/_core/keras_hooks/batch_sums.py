@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kmirror._core.keras_hooks.elementwise import BROADCAST
 from kmirror._core.keras_hooks.rows import Rows
 
 __all__ = ["whole_batch"]
@@ -63,26 +64,19 @@ def whole_batch(op_type, tensor, axes: list, keepdims: bool, rows: Rows, local_s
     return value if value.dtype == dtype else tf.cast(value, dtype)
 
 
-#: Ops computing each element from one input's element: their output has their input's shape.
-_ONE_INPUT = {"Identity", "Cast", "Square", "Neg", "Abs"}
-#: Ops computing each element from two inputs', broadcast (a difference from a statistic).
-_TWO_INPUTS = {"SquaredDifference", "Sub", "AddV2", "Mul", "RealDiv"}
-
-
 def _shaped_as(tensor):
     """The tensor `tensor` is computed from element by element, in its shape (`tensor` itself if
-    none): its count of values along any axes is `tensor`'s."""
+    none): its count of values along any axes is `tensor`'s. An op computing each element from
+    its inputs' (`elementwise.BROADCAST`, but `BroadcastTo`, whose shape is a value) has the
+    shape of an input every other input broadcasts into without changing it."""
     while True:
-        inputs = list(tensor.op.inputs)
-        if tensor.op.type in _ONE_INPUT and len(inputs) == 1:
-            tensor = inputs[0]
-        elif tensor.op.type in _TWO_INPUTS and len(inputs) == 2:
-            kept = [a for a, b in (inputs, inputs[::-1]) if _into(a, b)]
-            if not kept:
-                return tensor
-            tensor = kept[0]
-        else:
+        op, inputs = tensor.op, list(tensor.op.inputs)
+        if op.type != "Identity" and (op.type not in BROADCAST or op.type == "BroadcastTo"):
             return tensor
+        kept = [a for a in inputs if all(_into(a, b) for b in inputs if b is not a)]
+        if not kept:
+            return tensor
+        tensor = kept[0]
 
 
 def _into(whole, other) -> bool:
