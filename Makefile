@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-compat lint format bench soak docs clean
+.PHONY: install demo test test-ops test-compat lint format bench soak docs clean
 
 install: $(STAMP)
 
@@ -21,7 +21,11 @@ demo: install
 PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: install lint
-	$(PY) -m pytest $(PARALLEL)
+	$(PY) -m pytest $(PARALLEL) -m "not ops"
+
+# Every function of keras.ops over the rows of a layer call (tests/test_op_coverage.py).
+test-ops: install
+	$(PY) -m pytest $(PARALLEL) -m ops
 
 # The core tests on the oldest supported Keras and TensorFlow (kmirror.versions), in their own venv.
 # In 2 processes, grouped as `make test` groups them.

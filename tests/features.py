@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import batch_steps
 import call_steps
+import default_steps
 import global_steps
 import gradient_steps
 import keras
@@ -559,6 +560,30 @@ FEATURES = {
         call_steps.stateful_rnn,
         call_steps.streams,
         batch_size=call_steps.STREAMS,
+        tolerance=1e-10,
+        floatx="float64",
+    ),
+    "own_step_quantized": Feature(
+        default_steps.quantized, default_steps.pictures, tolerance=1e-10, floatx="float64"
+    ),
+    "own_test_step_static_rows": Feature(
+        default_steps.kernel_distance,
+        global_steps.labelled,
+        tolerance=1e-10,
+        floatx="float64",
+        validation=default_steps.whole_batches,
+    ),
+    "own_test_and_predict_steps": Feature(
+        default_steps.centred_evaluation,
+        global_steps.labelled,
+        tolerance=1e-10,
+        floatx="float64",
+        validation=global_steps.validation,
+        evaluate=True,
+    ),
+    "eager_own_step": Feature(
+        default_steps.eager_minibatch_spread,
+        global_steps.unlabelled,
         tolerance=1e-10,
         floatx="float64",
     ),

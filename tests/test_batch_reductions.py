@@ -22,7 +22,7 @@ from conftest import cpus
 from global_steps import MeanSquareStep, labelled
 from keras import layers as L
 from keras import ops
-from models import Weights, assert_same_history, max_weight_difference
+from models import assert_same_history, max_weight_difference
 from real_models import precision
 
 import kmirror
@@ -127,7 +127,8 @@ MIXING += (CountedCentred, Placed)
 
 
 class TransposedLargest(L.Layer):
-    """Given the rows in axis 1: its call cannot be joined from the replicas' rows."""
+    """Given the rows in axis 1 (by a `Lambda` before it), it takes each feature's maximum over
+    them: its call cannot be joined from the replicas' rows, so the call around it runs whole."""
 
     def call(self, x):
         return ops.transpose(x - ops.max(x, axis=1, keepdims=True))
@@ -137,6 +138,9 @@ class TransposedLargest(L.Layer):
 #: of 4 rows on one device), else 74 (36, 36, 2: a replica without rows in the last).
 WHOLE = {"GroupedSpread": (GroupedSpread, 76), "Largest": (Largest, 74), "Ranked": (Ranked, 74)}
 WHOLE["NoisyLargest"] = (NoisyLargest, 74)
+# Its input holds the rows in axis 1, where the replicas cannot join them: the call around it
+# (the model) runs whole. Before, it was refused, though one device runs it.
+WHOLE["TransposedLargest"] = (TransposedLargest, 74)
 WHOLE["mixing ops"] = (MIXING, 74)
 
 
@@ -272,20 +276,6 @@ def test_what_a_call_run_whole_writes_is_written_once_whatever_its_aggregation(o
         assert counted == [4 + 148.0] * 2, aggregation  # `_model`'s build call of 4 rows too
 
 
-@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
-def test_a_call_whose_input_holds_the_rows_in_another_axis_is_refused(own_step):
-    x, y = (part.astype("float32") for part in _data(72))
-    model = _model(TransposedLargest, own_step)
-    before = Weights(model.get_weights())
-    wrapped = kmirror.wrap(model, devices=cpus(3))
-    with pytest.raises(ValueError, match="a maximum over axes") as raised:
-        wrapped.fit(x, y, batch_size=36, epochs=1, verbose=0)
-    message = str(raised.value)
-    assert "layer 'coupled' (TransposedLargest)" in message
-    assert "holds the rows in axes [1], not in axis 0" in message
-    assert max_weight_difference(model, before) == 0.0
-
-
 def test_predict_reduces_over_the_whole_batch():
     """`predict` of layers reducing over the rows of their call (tests/batch_steps.py): each
     batch's statistics are the whole batch's, with a batch of 2 rows on 3 replicas too."""
@@ -335,43 +325,6 @@ class MeanOfRows(L.Layer):
         return x + ops.mean(x, axis=0)
 
 
-@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own step"])
-def test_in_eager_mode_a_reduction_over_the_rows_warns_naming_the_layer(own_step):
-    """In eager mode (`run_eagerly=True`) a tensor does not say where it comes from: each
-    replica reduces over its own rows. BatchNormalization's statistics and a layer's mean over its
-    rows are named in a warning; LayerNormalization's (over each row's features) are not, nor is
-    anything in the traced step."""
-    x, y = _data(37)
-    seen = {}
-    for eager in (True, False):
-        keras.utils.set_random_seed(1)
-        model = (MeanSquareStep if own_step else keras.Sequential)(
-            [
-                keras.Input((x.shape[1],)),
-                L.Dense(8),
-                L.BatchNormalization(name="statistics"),
-                MeanOfRows(name="centred"),
-                L.LayerNormalization(name="each_row"),
-                L.Dense(y.shape[1]),
-            ]
-        )
-        model.compile(optimizer="sgd", loss=None if own_step else "mse", run_eagerly=eager)
-        wrapped = kmirror.wrap(model, devices=cpus(2))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            wrapped.fit(x, y, batch_size=18, epochs=1, verbose=0)
-        seen[eager] = [str(w.message) for w in caught if _names_an_op(str(w.message))]
-    named = [m.split("layer ")[1].split(" takes")[0] for m in seen[True]]
-    assert sorted(set(named)) == ["'centred' (MeanOfRows)", "'statistics' (BatchNormalization)"]
-    assert "run_eagerly=False" in seen[True][0] and "a mean" in seen[True][0]
-    assert seen[False] == []
-
-
-def _names_an_op(message: str) -> bool:
-    """An eager-mode warning naming an operation (not a call kmirror cannot check)."""
-    return "in eager mode" in message and "cannot check" not in message
-
-
 class AttendingRows(L.Layer):
     """Each row attends to every row of its call: a product of the rows with each other, a
     softmax over them, a product summing over them (no reduction: `mixing`'s rules)."""
@@ -381,90 +334,116 @@ class AttendingRows(L.Layer):
         return x + ops.matmul(ops.softmax(scores, axis=-1), x)
 
 
-def test_in_eager_mode_an_op_combining_the_rows_warns_naming_the_layer():
-    """In eager mode an op that combines the rows (here a product summing over them) is named
-    in a warning, once; a Dense layer's products with its kernel are not. Traced, the call runs
-    whole: no warning, and one device's weights."""
-    x, y = _data(37)
-    seen, weights = {}, {}
-    for eager in (True, False, None):  # None: one device
+class OwnEvaluation(MeanSquareStep):
+    """MeanSquareStep with its own test_step and predict_step too."""
+
+    def test_step(self, data):
+        x, y = data
+        return {"loss": ops.mean(ops.square(self(x) - y))}
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return 2.0 * self(x)
+
+
+#: Layers computing across the rows of their call, in ways a traced step's rules split (the
+#: batch's moments, a mean of the rows), run whole (a product of the rows with each other, a
+#: statistic of groups of rows) or, eagerly, cannot see (rows regrouped by a reshape, a
+#: Keras softmax over the rows, computed on the rows moved to the last axis).
+EAGER = {
+    "statistics": lambda: [
+        L.Dense(8),
+        L.BatchNormalization(),
+        MeanOfRows(),
+        L.LayerNormalization(),
+    ],
+    "attention": lambda: [L.Dense(4), AttendingRows()],
+    "groups": lambda: [L.Dense(8), GroupedSpread(), L.Softmax(axis=0)],
+}
+
+
+@pytest.mark.parametrize("own_step", [False, True], ids=["compiled", "own steps"])
+@pytest.mark.parametrize("name", sorted(EAGER))
+def test_eager_steps_are_one_devices_in_fit_evaluate_and_predict(name, own_step):
+    """In eager mode (`run_eagerly=True`) no graph says what a call computes across its rows:
+    every call runs whole on every replica, and `fit` (with validation), `evaluate` and
+    `predict` give one device's values, with no warning. 3 replicas, batches of 16 of 37 rows
+    (a final batch of 5: shares of 1 and 2 rows; of 32 for groups of 4), float64, within 1e-10.
+    Before, each replica computed across its own rows, with a warning."""
+    x, y = _data(32 if name == "groups" else 37)  # groups of 4 rows: batches of 16
+    results = []
+    for replicas in (None, 3):  # None: one device
         keras.utils.set_random_seed(1)
         with precision("float64"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = keras.Sequential(
-                [
-                    keras.Input((x.shape[1],)),
-                    L.Dense(4),
-                    AttendingRows(name="attending"),
-                    L.Dense(y.shape[1]),
-                ]
+            layers = [keras.Input((x.shape[1],)), *EAGER[name](), L.Dense(y.shape[1])]
+            model = OwnEvaluation(layers) if own_step else keras.Sequential(layers)
+            model.compile(optimizer="sgd", loss=None if own_step else "mse", run_eagerly=True)
+            if replicas:
+                model = kmirror.wrap(model, devices=cpus(replicas))
+            history = model.fit(
+                x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=(x, y)
             )
-            model.compile(optimizer="sgd", loss="mse", run_eagerly=bool(eager))
-            wrapped = model if eager is None else kmirror.wrap(model, devices=cpus(2))
-            wrapped.fit(x, y, batch_size=18, epochs=1, shuffle=False, verbose=0)
-        seen[eager] = [str(w.message) for w in caught if _names_an_op(str(w.message))]
-        weights[eager] = model.get_weights()
-    assert len(seen[True]) == 1, seen[True]
-    assert "layer 'attending' (AttendingRows)" in seen[True][0]
-    assert "sums over the rows" in seen[True][0] and "run_eagerly=False" in seen[True][0]
-    assert seen[False] == []
-    assert max_weight_difference(Weights(weights[None]), Weights(weights[False])) < 1e-10
+            evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+            predicted = model.predict(x, batch_size=16, verbose=0)
+        named = [str(w.message) for w in caught if "kmirror" in str(w.message)]
+        results.append((model.get_weights(), history.history, evaluated, predicted, named))
+    (weights, history, evaluated, predicted, _), (*wrapped, named) = results
+    assert named == []
+    assert max(np.max(np.abs(a - b)) for a, b in zip(weights, wrapped[0])) < 1e-10
+    assert_same_history(history, wrapped[1], rtol=1e-10, atol=1e-10)
+    assert evaluated.keys() == wrapped[2].keys()
+    assert all(abs(evaluated[k] - wrapped[2][k]) < 1e-10 for k in evaluated)
+    assert np.max(np.abs(predicted - wrapped[3])) < 1e-10
 
 
-def test_in_eager_mode_a_call_kmirror_cannot_check_warns_naming_it():
-    """In eager mode what a call computes from its inputs does not say where its rows are: a
-    standard deviation over groups of rows regrouped by a reshape, or a Keras softmax over the
-    rows (computed on the rows moved to the last axis), is each replica's own, which no rule
-    sees. The call on a replica's rows (the model) is named in a warning, once; not on one
-    replica, nor traced."""
-    x, y = _data(32)
-    seen = {}
-    for eager, replicas in ((True, 2), (False, 2), (True, 1)):
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential(
-            [
-                keras.Input((x.shape[1],)),
-                L.Dense(8),
-                GroupedSpread(),
-                L.Softmax(axis=0),
-                L.Dense(y.shape[1]),
-            ],
-            name="grouping",
-        )
-        model.compile(optimizer="sgd", loss="mse", run_eagerly=eager)
-        wrapped = kmirror.wrap(model, devices=cpus(replicas))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            wrapped.fit(x, y, batch_size=16, epochs=2, verbose=0)
-        seen[eager, replicas] = [str(w.message) for w in caught if "cannot check" in str(w.message)]
-    assert len(seen[True, 2]) == 1, seen[True, 2]
-    assert "cannot check what 'grouping' (Sequential) computes across the rows" in seen[True, 2][0]
-    assert "rows regrouped by a reshape" in seen[True, 2][0]
-    assert "run_eagerly=False" in seen[True, 2][0]
-    assert seen[False, 2] == [] and seen[True, 1] == []
-
-
-def test_in_eager_mode_a_step_calling_a_layer_on_data_the_model_holds_warns():
-    """In eager mode a call's rows are its first input's: a model's own step calling its layer
-    on a graph the model holds (40 nodes) for a batch of 9 node indices is named in a warning
-    that gives both row counts (here, on a CPU, each replica's part of the nodes then fails the
-    lookup of a node outside it; a GPU's lookup gives zeros). Traced, the call runs whole: no
-    warning (the exactness matrix's `own_step_held_graph`)."""
+def test_an_eager_step_calling_a_layer_on_data_the_model_holds_is_one_devices():
+    """A model's own step calling its layer on a graph the model holds (40 nodes) for a batch
+    of 9 node indices, in eager mode, on 2 replicas: the call runs whole, as traced (the
+    exactness matrix's `own_step_held_graph`). Before, the call's rows were taken from its first
+    input, each replica's part of the nodes, and the lookup of a node outside it failed."""
     nodes, labels, _ = call_steps.node_batches()
-    seen = {}
-    for eager in (True, False):
+    weights = []
+    for replicas in (None, 2):
         model = call_steps.node_classifier()
-        model.compile(optimizer=model.optimizer, run_eagerly=eager)
-        wrapped = kmirror.wrap(model, devices=cpus(2))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if eager:  # each replica's part of the nodes: a node index out of range on a CPU
-                with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
-                    wrapped.fit(nodes[:9], labels[:9], batch_size=9, epochs=1, verbose=0)
-            else:
-                wrapped.fit(nodes[:9], labels[:9], batch_size=9, epochs=1, verbose=0)
-        seen[eager] = [str(w.message) for w in caught if "on 40 rows" in str(w.message)]
-    assert len(seen[True]) == 1, seen[True]
-    assert "layer 'message_passing' (MessagePassing)" in seen[True][0]
-    assert "the step's batch has 9" in seen[True][0] and "run_eagerly=False" in seen[True][0]
-    assert seen[False] == []
+        model.compile(optimizer=model.optimizer, run_eagerly=True)
+        if replicas:
+            model = kmirror.wrap(model, devices=cpus(replicas))
+        with precision("float64"):
+            model.fit(nodes[:18], labels[:18], batch_size=9, epochs=1, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+    assert max(np.max(np.abs(a - b)) for a, b in zip(*weights)) < 1e-10
+
+
+def test_explain_says_which_calls_run_whole_and_why_and_counts_the_sums():
+    """`explain` traces a step on a batch and reports what it does where, changing nothing: the
+    model's call split over the replicas' rows, the call grouping its rows run whole (naming
+    the statistic), BatchNormalization's two sums (its mean and variance) in training and none
+    in inference; a model none of whose calls needs the whole batch runs none whole."""
+    x, y = _data(36)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            L.Dense(8),
+            L.BatchNormalization(name="normalized"),
+            GroupedSpread(name="grouped"),
+            L.Dense(1),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    before = [w.numpy().copy() for w in model.weights]
+    report = wrapped.explain(x, y, batch_size=16)
+    assert report.split == [f"{model.name} (Sequential)"]
+    assert [name for name, _ in report.whole] == ["grouped (GroupedSpread)"]
+    assert "a standard deviation" in report.whole[0][1] or "a mean" in report.whole[0][1]
+    assert report.sums == {"normalized (BatchNormalization)": 2} and report.collectives == 2
+    assert "calls on the whole batch, on every replica: 1" in str(report)
+    assert wrapped.explain(x, batch_size=16, step="predict").sums == {}
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights))
+    with pytest.raises(ValueError, match="step must be one of"):
+        wrapped.explain(x, y, step="fit")
+    plain = keras.Sequential([keras.Input((5,)), L.Dense(8), L.Dropout(0.2), L.Dense(1)])
+    plain.compile(optimizer="sgd", loss="mse")
+    assert kmirror.wrap(plain, devices=cpus(3)).explain(x, y, batch_size=16).whole == []

@@ -44,13 +44,12 @@ def test_a_none_weight_written_differently_raises_naming_aggregation_and_updates
         model.fit(x, y, batch_size=33, epochs=1, verbose=0)
     # The check runs before the optimizer: the failing (first) step updated no weight.
     np.testing.assert_array_equal(user.layers[1].kernel.numpy(), before[1])
-    # `evaluate` reduces over the whole batch whatever `sync_batch_norm` says: its check is
-    # tried on eager steps, where a replica's call counts its own rows (no trace says where they
-    # come from).
+    # In eager mode every call runs whole: each replica counts the whole batch's rows, as one
+    # device does (the last batch's 2 of 101 rows), and they write alike.
     eager = rows_seen("none")
     eager.compile(loss=keras.losses.SparseCategoricalCrossentropy(True), run_eagerly=True)
-    with pytest.raises(ValueError, match="aggregation='sum'"):
-        kmirror.wrap(eager, devices=cpus(2)).evaluate(x, y, batch_size=33, verbose=0)
+    kmirror.wrap(eager, devices=cpus(2)).evaluate(x, y, batch_size=33, verbose=0)
+    assert eager.layers[0].seen.numpy() == 2.0
     # A batch every replica sees the same share of (2 rows on 2 replicas) writes alike.
     model.fit(x[:2], y[:2], batch_size=2, epochs=1, verbose=0)
     assert user.layers[0].seen.numpy() == 1.0

@@ -18,8 +18,7 @@ LAYERS = [
     + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.provenance", "keras_hooks.own_thread"]
     + ["keras_hooks.nested", "keras_hooks.elementwise", "keras_hooks.row_axes"]
-    + ["keras_hooks.batch_sums"]
-    + ["keras_hooks.eager_rows"]
+    + ["keras_hooks.moves", "keras_hooks.batch_sums", "keras_hooks.explaining"]
     + ["keras_hooks.reductions"]
     + ["keras_hooks.by_place", "keras_hooks.mixing", "keras_hooks.other_ops"]
     + ["keras_hooks.whole_calls", "keras_hooks.call_results"]
@@ -43,7 +42,7 @@ LAYERS = [
     + ["_core.callbacks.checkpoint"]
     + ["_core.callbacks.tensorboard", "_core.callbacks.keras_own", "_core.callbacks.ray_train"]
     + ["_core.callbacks.preemption"]
-    + ["feed.inputs", "feed.resume", "fitting", "chief_state", "building", "compiling"],
+    + ["feed.inputs", "feed.resume", "fitting", "chief_state", "building", "compiling", "explain"],
     # The model.
     ["answering", "model"],
     # What users call: the public modules that export what is inside.

@@ -36,6 +36,16 @@ def test_the_axes_holding_the_rows():
             "a new first axis": x[None],
             "a new last axis": x[..., None],
             "held by the model": tf.ones((8, 6)),
+            # each row's 8 tokens as entries of axis 0, and back: the rows stay in axis 0
+            "to each token's features and back": tf.reshape(
+                tf.reshape(looked_up, [-1, 4]) * 2.0, [-1, 8, 2, 2]
+            ),
+            "back to the shape of the rows": tf.reshape(
+                tf.reshape(looked_up, [-1, 4]), tf.shape(looked_up)
+            ),
+            "a product over the features of each token": tf.tensordot(
+                looked_up, tf.ones((4, 3)), axes=1
+            ),
         }
         found.update({name: axes.of(tensor) for name, tensor in cases.items()})
         return x
@@ -58,6 +68,9 @@ def test_the_axes_holding_the_rows():
         "a new first axis": {1},
         "a new last axis": {0},
         "held by the model": None,
+        "to each token's features and back": {0},
+        "back to the shape of the rows": {0},
+        "a product over the features of each token": {0},
     }
 
 

@@ -62,6 +62,8 @@ class Split:
     all_sum: Callable[[tf.Tensor], tf.Tensor]  # the sum over every replica
     #: The replicas: a weight's gradient from a call is this many times its rows' part.
     replicas: int
+    #: The call's row count where the traced step knows it (one device's `x.shape[0]`).
+    known_total: int | None = None
 
     @classmethod
     def of(cls, tensor, index, replicas: int, gather: Callable, all_sum: Callable) -> Split:
@@ -71,7 +73,8 @@ class Split:
         start, stop = total * index // replicas, total * (index + 1) // replicas
         count = stop - start
         first, computed = computed_rows(start, count, total)
-        return cls(start, count, total, first, computed, gather, all_sum, replicas)
+        known = tensor.shape[0] if tensor.shape.rank else None
+        return cls(start, count, total, first, computed, gather, all_sum, replicas, known)
 
     def rows(self, tensor):
         """The rows of `tensor` this replica computes on (their count unknown: `any_count`)."""
@@ -82,8 +85,8 @@ class Split:
     def joined(self, tensor):
         """Every replica's rows of `tensor` (computed from `rows`), joined in row order."""
         if not _differentiable(tensor):
-            return self.gather(tensor[: self.count])
-        total = self.gather(tf.stop_gradient(tensor[: self.count]))
+            return self._known(self.gather(tensor[: self.count]))
+        total = self._known(self.gather(tf.stop_gradient(tensor[: self.count])))
 
         # The join is computed outside the custom gradient: TensorFlow walks the graph from a
         # custom gradient's outputs back to its inputs, and a join's inputs are every replica's.
@@ -95,6 +98,13 @@ class Split:
             )
 
         return join(tensor, total)
+
+    def _known(self, joined):
+        """`joined`, the call's rows, with the row count the traced step knows for the batch
+        (a batch of a static size: one device's trace reads it as a number)."""
+        if self.known_total is not None and joined.shape.rank and not tf.executing_eagerly():
+            joined.set_shape([self.known_total, *joined.shape[1:]])
+        return joined
 
     def rows_or_whole(self, tensor):
         """A call's other input: this replica's rows of it where it has the call's rows (`rows`),

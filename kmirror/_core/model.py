@@ -38,6 +38,7 @@ from kmirror._core import (
     step,
     tracing,
 )
+from kmirror._core import explain as explain_lib
 from kmirror._core.answering import AnswersAsModel
 from kmirror._core.callbacks import keras_own
 from kmirror._core.chief_state import ChiefState
@@ -320,6 +321,48 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             return super().predict(
                 x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=chosen
             )
+
+    def explain(self, x, y=None, sample_weight=None, batch_size: int = 32, step: str = "train"):
+        """What one step does where: which layer calls run on each replica's rows, which run on
+        the whole batch on every replica (and why), and how many sums over the replicas the
+        layers make per step.
+
+        Read it when a step is slower than expected: a call on the whole batch is computed by
+        every replica on every row of the batch, and each sum is one collective. The step is
+        traced on the first `batch_size` rows of `x` as Keras traces it; nothing runs, no
+        weight changes.
+
+        Example:
+
+        ```python
+        print(model.explain(x, y, batch_size=64))
+        report = model.explain(x, y)
+        report.whole       # [("layer (Class)", "why"), ...]
+        report.collectives  # sums over the replicas per step
+        ```
+
+        Args:
+            x: the inputs, as `fit` takes numpy arrays or tensors (a dict or list of them
+                for several inputs).
+            y: the targets, if the step takes them.
+            sample_weight: the sample weights, if any.
+            batch_size: the rows of the batch traced.
+            step: `"train"` (the default), `"test"` (`evaluate`) or `"predict"`.
+
+        Returns:
+            An explanation with `split` (the calls on each replica's rows), `whole` (each call
+            on the whole batch, with why), `sums` (per layer) and `collectives` (their total);
+            `str()` of it is a readable report.
+        """
+        self._check_wrapped()
+        if step != "predict":
+            self._check_compiled("explain")
+
+        def build(data, name):
+            self._builder.build(data_batch=data, step=name)
+
+        with self._reducer.job.failures():
+            return explain_lib.explain(self, build, x, y, sample_weight, batch_size, step)
 
     def batch_order_drawn_from(self) -> tuple | None:
         """Python's random state the current `fit` drew the order of its epoch's batches from:

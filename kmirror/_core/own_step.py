@@ -98,12 +98,15 @@ def _run(
     data,
     global_statistics: bool,
     place=None,
+    training: bool = True,
 ):
     """`method(batch)` on every replica, each with the whole global batch; the per-replica
     results. `data` is the global batch, or this process's rows of it at `place`
-    (`placement.split`), which the replicas join."""
+    (`placement.split`), which the replicas join. A layer's reduction over the rows of its
+    call is the whole batch's where `global_statistics` is set (`evaluate` and `predict` set
+    it); the moving statistics a `training` step writes come from it there too."""
     shards = None if place is None else placement.split(reducer, data, place)
-    state = LayerState(model, reducer, global_statistics)
+    state = LayerState(model, reducer, global_statistics and training)
     steps = []  # each replica's
 
     def local(shard):
@@ -150,9 +153,9 @@ def train(model: keras.Model, reducer: Reducer, data, global_statistics: bool = 
 
 def evaluate(model: keras.Model, reducer: Reducer, data, place=None):
     """The model's own test_step on every replica; its logs (global values)."""
-    return _first(reducer, _run(model.test_step, model, reducer, data, False, place))
+    return _first(reducer, _run(model.test_step, model, reducer, data, True, place, False))
 
 
 def predict(model: keras.Model, reducer: Reducer, data, place=None):
     """The model's own predict_step on every replica: the whole batch's outputs."""
-    return _first(reducer, _run(model.predict_step, model, reducer, data, False, place))
+    return _first(reducer, _run(model.predict_step, model, reducer, data, True, place, False))

@@ -12,8 +12,9 @@ not merely the same dense sum:
   summed value by value, and keep the replica's own (identical) indices.
 
 A lookup is shared when its indices do not depend on the values of the step's rows (the traced
-graph says so; the shape of the rows, such as their length, does not count). In eager mode there
-is no graph to read: a lookup is then taken to be per row, with a warning.
+graph says so; the shape of the rows, such as their length, does not count). In eager mode every
+layer call runs whole on every replica (`keras_hooks.whole_calls.eager`): each replica looks up
+every row, and every lookup is summed as a shared one.
 
 Example:
 
@@ -36,8 +37,6 @@ __all__ = ["shared_lookups", "apart", "together"]
 #: Ops whose output depends on their input's shape only, not on its values.
 _SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank", "VariableShape"})
 
-_warned = False
-
 
 def shared_lookups(gradients: list, rows: Any, variables: list | None = None) -> list[bool]:
     """For each gradient (of each of `variables`): whether it is the gradient of a lookup shared
@@ -45,9 +44,8 @@ def shared_lookups(gradients: list, rows: Any, variables: list | None = None) ->
     An embedding looked up both ways in one step is summed as lookups per row, with a warning."""
     if not any(isinstance(g, tf.IndexedSlices) for g in gradients):
         return [False] * len(gradients)
-    if tf.executing_eagerly():
-        _warn_eager()
-        return [False] * len(gradients)
+    if tf.executing_eagerly():  # every call runs whole: each replica looks up every row
+        return [isinstance(g, tf.IndexedSlices) for g in gradients]
     sources = {t.ref() for t in tf.nest.flatten(rows) if isinstance(t, tf.Tensor)}
     found = []
     for gradient, variable in zip(gradients, variables or [None] * len(gradients)):
@@ -106,16 +104,3 @@ def _depends_on(tensor: tf.Tensor, sources: set) -> bool:
         seen.add(op.name)
         pending.extend(op.inputs)
     return False
-
-
-def _warn_eager() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            "kmirror: in eager mode (run_eagerly=True) kmirror cannot tell an embedding lookup "
-            "shared by the rows (positions) from a lookup per row, and sums the gradients as "
-            "lookups per row: a shared lookup then trains differently from one device. Compile "
-            "with run_eagerly=False.",
-            stacklevel=2,
-        )

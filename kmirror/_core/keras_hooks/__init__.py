@@ -33,6 +33,8 @@ versions.check()  # before the internals this package touches
 
 from kmirror._core.keras_hooks.call_state import settle  # noqa: E402
 from kmirror._core.keras_hooks.calls import replica, splitting  # noqa: E402
+from kmirror._core.keras_hooks.explaining import Explanation  # noqa: E402
+from kmirror._core.keras_hooks.explaining import recording as explaining  # noqa: E402
 from kmirror._core.keras_hooks.model_state import (  # noqa: E402
     calls_with_training,
     compile_arguments,
@@ -109,6 +111,8 @@ __all__ = [
     "saves_as_keras",
     "train_writer",
     "Rows",
+    "Explanation",
+    "explaining",
     "OwnStep",
     "Provenance",
     "splitting",

@@ -18,7 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from kmirror._core.keras_hooks import reductions
-from kmirror._core.keras_hooks.row_axes import reduced_axes, shape_read
+from kmirror._core.keras_hooks.moves import shape_read
+from kmirror._core.keras_hooks.row_axes import reduced_axes
 
 __all__ = ["RULES", "held", "rank", "over", "named_axes", "static", "counts_rows"]
 
@@ -33,7 +34,10 @@ def rank(tensor) -> int | None:
 
 
 def static(value) -> np.ndarray | None:
-    """`value`'s elements (flat), where they are known."""
+    """`value`'s elements (flat), where they are all known (a list of tensors: each known)."""
+    if isinstance(value, list | tuple):
+        found = [static(v) for v in value]
+        return None if any(v is None for v in found) else np.concatenate(found or [[]])
     return None if (found := tf.get_static_value(value)) is None else np.reshape(found, -1)
 
 

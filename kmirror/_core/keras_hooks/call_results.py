@@ -18,8 +18,8 @@ is known from how the traced call computed it (`reductions.held`, read while the
   from its rows' shape: `by_place`): the replicas cannot make the whole batch's value. An output
   is refused; a kept value is refused when the step reads it (`call_state`, `containers`).
 
-In eager mode (`run_eagerly=True`) a tensor does not say how it was computed: an output is taken
-to hold the rows in its first axis (a scalar is refused), and a kept value is refused when read.
+In eager mode (`run_eagerly=True`) no call runs on a replica's rows: it runs whole
+(`calls`), and leaves one device's values.
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ __all__ = ["placed", "whole_value", "output"]
 _COUNT = "the count of the replica's rows"
 
 
-def placed(own: OwnStep, outputs) -> dict | None:
+def placed(own: OwnStep, outputs) -> dict:
     """Where each tensor the call leaves holds its rows, read while the call runs (id -> the
-    axes, `NONE` or None where it holds none, `_COUNT`); None in eager mode."""
-    if tf.executing_eagerly():
-        return None
+    axes, `NONE` or None where it holds none, `_COUNT`)."""
     kept = [own.attributes[key][2] for key in own.set_in_call]
     for _container, shadow in own.shadows.values():
         values = shadow.values() if isinstance(shadow, dict) else shadow
@@ -50,26 +48,24 @@ def placed(own: OwnStep, outputs) -> dict | None:
     return {id(t): _COUNT if by_place.counts_rows(t) else reductions.held(t) for t in tensors}
 
 
-def whole_value(value, split: Split, own: OwnStep, where: dict | None, kept: bool = True):
+def whole_value(value, split: Split, own: OwnStep, where: dict, kept: bool = True):
     """The whole batch's value of a tensor the call left (`kept`: on a layer, else an output);
     None where the replicas cannot make it."""
     if not tf.is_tensor(value):
         return value
-    if where is None:  # eager mode
-        return None if kept or not value.shape.rank else _joined(value, split, own)
     first = rows_first(where.get(id(value), _COUNT), value)
     if first is None:
         return None
     return _joined(value, split, own) if first else value
 
 
-def output(value, split: Split, own: OwnStep, where: dict | None, layer):
+def output(value, split: Split, own: OwnStep, where: dict, layer):
     """An output of the call, the whole batch's; a clear error where the replicas cannot make
     it."""
     found = whole_value(value, split, own, where, kept=False)
     if found is not None or value is None:
         return found
-    axes = None if where is None else where.get(id(value))
+    axes = where.get(id(value))
     if axes is None:
         what = "a scalar computed from its replica's rows"
     elif axes == _COUNT:

@@ -24,8 +24,9 @@ outside a step. Checked on Keras 3.15.1 and 3.12.4.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import keras
@@ -84,8 +85,8 @@ class _FromRows:
         return ValueError(
             f"kmirror: the model's own step reads `{self.name}` of layer "
             f"'{self.layer.name}', which its call set from the replica's rows of the batch "
-            "(holding them in another axis than the first, their count on this replica, or, in "
-            "eager mode, any tensor), and which its replicas cannot join into the whole batch's "
+            "(holding them in another axis than the first, or their count on this replica), "
+            "and which its replicas cannot join into the whole batch's "
             "value. Set one value per row in the first axis, or return the value from the call."
         )
 
@@ -148,9 +149,21 @@ def begin_compiled_call() -> None:
     containers.begin_compiled_call()
 
 
+@contextlib.contextmanager
+def compiled_whole_call() -> Iterator[None]:
+    """kmirror's step calls the model on the whole batch on this replica (in eager mode): the
+    losses its layers add are the replica's, as on its rows."""
+    _compiled.whole, before = True, getattr(_compiled, "whole", False)
+    try:
+        yield
+    finally:
+        _compiled.whole = before
+
+
 def _in_compiled_step() -> bool:
     rows = current()
-    return current_step() is None and rows is not None and not rows.whole
+    whole = rows is not None and rows.whole and not getattr(_compiled, "whole", False)
+    return current_step() is None and rows is not None and not whole
 
 
 def _add_loss(layer, loss):

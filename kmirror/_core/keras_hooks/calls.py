@@ -32,7 +32,7 @@ from kmirror._core.keras_hooks import (
     call_results,
     call_state,
     containers,
-    eager_rows,
+    explaining,
     mixing,
     other_ops,
     reductions,
@@ -77,7 +77,7 @@ def replica(rows: Rows) -> contextlib.AbstractContextManager:
 def _call(layer, *args, **kwargs):
     own = current_step()
     if reductions.active():  # inside a call on the replica's rows
-        with reductions.within(layer, (args, kwargs)):
+        with reductions.within(layer):
             return _on_rows(layer, args, kwargs)
     if own is None or _state.inside:
         rows = current()
@@ -86,19 +86,26 @@ def _call(layer, *args, **kwargs):
         # kmirror's step: the replica's rows of the batch, in every input of the model's call
         seeds = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
         call_state.begin_compiled_call()
+        if tf.executing_eagerly():  # no graph to check: one device's call, on every replica
+            explaining.whole(layer, _EAGER)
+            original = _original["__call__"]
+            with call_state.compiled_whole_call():
+                return whole_calls.eager(
+                    layer, args, kwargs, lambda a, k: original(layer, *a, **k), rows
+                )
+        explaining.split(layer)
         with reductions.over_rows(layer, seeds, rows):
             return _on_rows(layer, args, kwargs)
     batched = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
     known = [own.provenance.of_batch(t) for t in batched]
-    if None in known:  # in eager mode: the call's rows are its first input's
-        of_batch = {id(t) for t in batched}
-    else:
-        of_batch = {id(t) for t, rows in zip(batched, known) if rows}
-    if not of_batch:  # the model's own data only: the call runs whole, as on one device
+    # In eager mode no graph says which tensors are rows, or what the call computes over them:
+    # the call runs whole, as one device's, on every replica.
+    of_batch = {id(t) for t, rows in zip(batched, known) if rows}
+    if None in known or not of_batch:  # or the model's own data only
+        explaining.whole(layer, _EAGER if None in known else _NOT_ROWS)
         return _whole(own, layer, args, kwargs)
+    explaining.split(layer)
     reference = next(_tensor(t) for t in batched if id(t) in of_batch)  # the call's rows
-    if None in known:
-        eager_rows.warn_split(layer, reference.shape[0], own.provenance.batch_rows())
     split = Split.of(reference, own.index, own.replicas, own.all_gather, own.all_sum)
     rows_taken = set()  # the inputs taken as the replica's rows (not whole)
 
@@ -157,16 +164,22 @@ def _on_rows(layer, args, kwargs):
     it over the rows is not a sum (`whole_calls`)."""
     saved = {}  # what the first attempt wrote to the layers' state, undone before the whole call
     try:
-        with writes.attempt(saved):
+        with writes.attempt(saved), explaining.attempt():
             return _original["__call__"](layer, *args, **kwargs)
     except Exception:
-        reason = reductions.whole_asked(layer)
-        if reason is None:
+        asked = reductions.whole_asked(layer)
+        if asked is None:
             raise
     writes.undo(saved)
+    what, refused = asked
+    explaining.whole(layer, what)
     return whole_calls.run(
-        layer, args, kwargs, lambda a, k: _original["__call__"](layer, *a, **k), reason
+        layer, args, kwargs, lambda a, k: _original["__call__"](layer, *a, **k), what, refused
     )
+
+
+_EAGER = "in eager mode no graph says what a call computes across its rows"
+_NOT_ROWS = "none of its inputs are rows of the step's batch (data the model holds)"
 
 
 def _whole(own: OwnStep, layer, args, kwargs):

@@ -65,9 +65,9 @@ class _FromRows:
         return ValueError(
             "kmirror: the model's own step reads from a list or dict of a layer a value its "
             "call put there from the replica's rows of the batch (holding them in another axis "
-            "than the first, their count on this replica, or, in eager mode, any tensor), which "
-            "its replicas cannot join into the whole batch's value. Put one value per row in the "
-            "first axis there, or return the value from the call."
+            "than the first, or their count on this replica), which its replicas cannot join "
+            "into the whole batch's value. Put one value per row in the first axis there, or "
+            "return the value from the call."
         )
 
 

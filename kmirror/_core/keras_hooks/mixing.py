@@ -163,7 +163,7 @@ def _replacement(original: Callable, rule: Callable) -> Callable:
         given.apply_defaults()
         what = rule(given.arguments)
         if what is not None:
-            reductions.combined(what)  # runs the call whole (traced), or warns (eager)
+            reductions.combined(what)  # runs the call whole
         with reductions.paused():  # checked (`other_ops` need not)
             return original(*args, **kwargs)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from kmirror._core.keras_hooks import elementwise, nested, reductions
-from kmirror._core.keras_hooks.by_place import named_axes, rank
+from kmirror._core.keras_hooks.by_place import counts_rows, named_axes, rank
 from kmirror._core.tf_hooks import graphs
 
 __all__ = ["install"]
@@ -49,7 +49,7 @@ _PER_ELEMENT = elementwise.BROADCAST | _names("Select Bitcast OneHot Fill")
 _MOVING = _names(
     """Identity IdentityN Snapshot StopGradient PreventGradient CheckNumerics EnsureShape Reshape
     Transpose ConjugateTranspose ExpandDims Squeeze Shape ShapeN Size Rank Pack BroadcastArgs
-    BroadcastGradientArgs Where TensorListFromTensor TensorListSetItem TensorListStack
+    BroadcastGradientArgs TensorListFromTensor TensorListSetItem TensorListStack
     TensorListReserve TensorListLength TensorListElementShape TensorListPushBack
     TensorListScatterV2 While StatelessWhile If StatelessIf Case StatelessCase PartitionedCall
     StatefulPartitionedCall AssignVariableOp AssignAddVariableOp AssignSubVariableOp ResourceGather
@@ -155,9 +155,37 @@ def _paired(op_type: str, inputs) -> None:
             )
 
 
+#: Ops whose values number the positions their inputs count (a range, an identity matrix, a
+#: one-hot of a depth), and TensorFlow's stateless draws of a shape: from the count of the
+#: call's rows, they number its rows by their place, or draw one value per row of the replica.
+_COUNTED = {"Range", "MatrixDiagV3", "MatrixDiagV2", "MatrixSetDiagV3", "MatrixBandPart"}
+_COUNTED |= {"OneHot"}
+
+
+def _sized_by_count(tensor) -> bool:
+    """An integer computed from the count of the call's rows, or a tensor filled to a shape
+    computed from it (`tf.eye(n)`'s zeros)."""
+    if not tf.is_tensor(tensor):
+        return False
+    if tensor.op.type == "Fill":
+        return counts_rows(tensor.op.inputs[0])
+    return counts_rows(tensor)
+
+
+def _counted(op_type: str, inputs) -> None:
+    stateless = op_type.startswith("StatelessRandom") or op_type.startswith("StatelessTruncated")
+    if (op_type in _COUNTED or stateless) and any(_sized_by_count(t) for t in inputs):
+        what = "draws" if stateless else "computes"
+        reductions.ask_whole(
+            f"{what} TensorFlow's {op_type} of the count of the rows of its call, one value "
+            "per row by its place"
+        )
+
+
 def _check(op_type: str, inputs, attrs) -> None:
     if op_type in _MOVING or not reductions.watching():
         return
+    _counted(op_type, inputs)
     if op_type in _PER_ELEMENT:
         if op_type in elementwise.BROADCAST and len(inputs) > 1:
             _paired(op_type, inputs)

@@ -27,16 +27,12 @@ class Provenance:
 
     def __init__(self, batch) -> None:
         self._known: dict = {}  # an op -> whether it computes from the batch
-        self._rows = set()  # the batch's row counts known when the step is traced, or eagerly
+        self._rows = set()  # the batch's row counts known when the step is traced
         for leaf in tf.nest.flatten(batch):
             if _symbolic(leaf):
                 self._known[leaf.op] = True
             if tf.is_tensor(leaf) and leaf.shape.rank and leaf.shape[0] is not None:
                 self._rows.add(leaf.shape[0])
-
-    def batch_rows(self) -> set:
-        """The row counts of the batch's tensors, where known."""
-        return self._rows
 
     def mark(self, tensor) -> None:
         """`tensor` is rows of the batch (a call's joined output)."""

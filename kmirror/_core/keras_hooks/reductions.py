@@ -16,10 +16,10 @@ where the reduced tensor holds the rows (`row_axes`):
 
 Anything else (over other axes, a weight, data the model holds) is Keras' own; so is every
 reduction outside such a call, or while kmirror computes its own values (`paused`: a loss'
-normaliser, weighted by the replica's share of the rows instead, `replica`). In eager mode
-(`run_eagerly=True`) they stay the replica's; one that may be over the rows warns, as does a
-call kmirror cannot check (`eager_rows`). In a loop's body or a branch a call builds, a sum over
-the rows runs the call whole (`nested`).
+normaliser, weighted by the replica's share of the rows instead, `replica`). No call runs on a
+replica's rows in eager mode (`run_eagerly=True`), where no graph says what it computes over
+them: it runs whole (`whole_calls.eager`). In a loop's body or a branch a call builds, a sum
+over the rows runs the call whole (`nested`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-import tensorflow as tf
-
-from kmirror._core.keras_hooks import batch_sums, eager_rows, nested
+from kmirror._core.keras_hooks import batch_sums, explaining, nested
 from kmirror._core.keras_hooks.row_axes import RowAxes, reduced_axes
 from kmirror._core.keras_hooks.rows import Rows
 from kmirror._core.tf_hooks import graphs
 
 __all__ = ["over_rows", "within", "active", "paused", "outside", "whole_ops", "install"]
 __all__ += ["RunWhole", "whole_asked", "ask_whole", "combined", "watching", "rows", "held"]
-__all__ += ["taken"]
+__all__ += ["taken", "running"]
 
 
 class RunWhole(Exception):  # noqa: N818 (not an error: the call runs again, whole)
@@ -54,10 +52,10 @@ class _Call:
     axes: RowAxes
     rows: Rows
     layers: list = field(default_factory=list)  # the calls running, outermost first
-    eager: eager_rows.Inputs | None = None  # in eager mode, the tensors known as rows
     #: The ops computing the whole batch's reductions, and which ops are computed from them.
     whole: dict = field(default_factory=dict)
-    #: (layer, the reduction's description): a call asked to run on the whole batch.
+    #: (layer, what it does over its rows, the sentence naming both): a call asked to run on
+    #: the whole batch.
     asked: tuple | None = None
 
 
@@ -84,16 +82,13 @@ def over_rows(layer, seeds, rows: Rows) -> contextlib.AbstractContextManager:
     """Within this block (on this thread) `layer` is called on the replica's rows: `seeds` (the
     tensors of the call that are rows of the batch) and what is computed from them."""
     install()
-    eager = eager_rows.inputs(seeds, layer, rows)
-    return _set("call", _Call(RowAxes(seeds), rows, [layer], eager=eager))
+    return _set("call", _Call(RowAxes(seeds), rows, [layer]))
 
 
-def within(layer, inputs=()) -> contextlib.AbstractContextManager:
+def within(layer) -> contextlib.AbstractContextManager:
     """A layer called inside the call on the replica's rows (named in an error, and run whole);
     not one called in a function graph the call builds, a loop's body: the call around it."""
     call = _state.call
-    if call.eager is not None:  # its inputs with the call's row count are rows
-        call.eager.add(tf.nest.flatten(inputs))
     kept = [] if nested.inside(call.axes.graph) else [layer]
     return _set("layers", call.layers + kept, owner=call)
 
@@ -109,13 +104,14 @@ def outside() -> contextlib.AbstractContextManager:
     return _set("call", None)
 
 
-def whole_asked(layer) -> str | None:
-    """The reduction's description if `layer`'s call asked to run on the whole batch (once)."""
+def whole_asked(layer) -> tuple[str, str] | None:
+    """If `layer`'s call asked to run on the whole batch (once): what it does over its rows,
+    and the sentence that names the layer and says it."""
     call = getattr(_state, "call", None)
     if call is None or call.asked is None or call.asked[0] is not layer:
         return None
-    reason, call.asked = call.asked[1], None
-    return reason
+    asked, call.asked = call.asked[1:], None
+    return asked
 
 
 def watching() -> bool:
@@ -123,15 +119,23 @@ def watching() -> bool:
     return _current() is not None
 
 
-def ask_whole(what: str) -> NoReturn:
-    """The innermost call asks to run on the whole batch: `what` it does over its rows."""
-    call, layer = _state.call, _state.call.layers[-1]
+def ask_whole(what: str, layer=None) -> NoReturn:
+    """The innermost call (or `layer`, one of the calls running: `running`) asks to run on the
+    whole batch: `what` it does over its rows."""
+    call = _state.call
+    layer = layer or call.layers[-1]
     call.asked = (
         layer,
+        what,
         f"kmirror: layer '{layer.name}' ({type(layer).__name__}) {what}. A replica holds only "
         "its rows of the batch, so it cannot compute one device's value.",
     )
-    raise RunWhole(call.asked[1])
+    raise RunWhole(call.asked[2])
+
+
+def running() -> list:
+    """The layer calls running on the replica's rows, outermost first."""
+    return _state.call.layers
 
 
 def rows() -> Rows:
@@ -140,19 +144,13 @@ def rows() -> Rows:
 
 
 def held(tensor) -> frozenset | None:
-    """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`); in eager
-    mode, axis 0 of the tensors known as rows (`eager_rows.Inputs`)."""
-    call, found = _state.call, _state.call.axes.of(tensor)
-    return found if found is not None or call.eager is None else call.eager.held(tensor)
+    """The axes of `tensor` that hold the rows of the call running (`RowAxes.of`)."""
+    return _state.call.axes.of(tensor)
 
 
-def combined(what: str) -> None:
-    """An op of the call running combines its rows (`what` it does): the call runs whole; in
-    eager mode, where the rows may be is all that is known (`eager_rows`): a warning."""
-    call = _state.call
-    if call.eager is None:
-        ask_whole(what)
-    eager_rows.warn_combining(call.layers[-1], what)
+def combined(what: str) -> NoReturn:
+    """An op of the call running combines its rows (`what` it does): the call runs whole."""
+    ask_whole(what)
 
 
 def taken(tensor) -> None:
@@ -185,15 +183,12 @@ def _replacement(original: Callable, op_type: str) -> Callable:
         given = signature.bind(*args, **kwargs).arguments
         tensor = given[names[0]]
         held = call.axes.of(tensor)
-        if not held and (call.eager is None or not tf.is_tensor(tensor)):
+        if not held:
             return original(*args, **kwargs)
         if op_type == "TopKV2":
             axes = {tensor.shape.rank - 1} if tensor.shape.rank else None
         else:
             axes = reduced_axes(given[names[1]], tensor)
-        if not held:  # eager mode
-            eager_rows.warn_if_over_rows(call.layers[-1], _NAMES[op_type], tensor, axes, call.eager)
-            return original(*args, **kwargs)
         if axes is not None and not held & axes:
             with paused():  # not over the rows (`other_ops` need not check it)
                 return original(*args, **kwargs)
@@ -205,6 +200,7 @@ def _replacement(original: Callable, op_type: str) -> Callable:
                     op_type, tensor, sorted(axes), keepdims, call.rows, _ORIGINAL["_sum"]
                 )
             call.whole[value.op] = True
+            explaining.summed(call.layers[-1])
             return value
         ask_whole(_described(op_type, held, axes, inside))
 

@@ -18,22 +18,29 @@ condition or a tensor list gives back holds them where its body, branches or ele
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import tensorflow as tf
 
 from kmirror._core.keras_hooks import elementwise, nested
+from kmirror._core.keras_hooks.moves import (
+    FIRST_AXIS_KEPT,
+    NONE,
+    anywhere,
+    asked_dims,
+    first_axis_kept,
+    looked_up_by_row,
+    reshaped,
+    shape_read,
+    size,
+    sliced,
+)
 
-__all__ = ["RowAxes", "NONE", "shape_read"]
+__all__ = ["RowAxes", "NONE", "shape_read", "anywhere"]
 
-#: Computed from the rows, with no axis holding them (a statistic, a shape).
-NONE: frozenset = frozenset()
 
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
 _SHAPES = {"Shape", "ShapeN", "Size", "Rank"}
 _SLICES = {"Slice", "Pad", "PadV2", "MirrorPad"}
-_MASKS = ("begin", "end", "ellipsis", "new_axis", "shrink_axis")
 
 
 class RowAxes:
@@ -42,6 +49,7 @@ class RowAxes:
     def __init__(self, seeds) -> None:
         self.graph = tf.compat.v1.get_default_graph()  # the call's
         self._known: dict = {}  # a tensor's ref -> the axes holding the rows, or None
+        self._entries_known: dict = {}  # a tensor's ref -> entries of each row in axis 0
         for seed in seeds:
             self.seed(seed)
 
@@ -49,6 +57,7 @@ class RowAxes:
         """`tensor` holds the call's rows in axis 0: an input, or rows kmirror took for it."""
         if _symbolic(tensor) and tensor.shape.rank:
             self._known[tensor.ref()] = frozenset({0})
+            self._entries_known[tensor.ref()] = 1
 
     def of(self, tensor) -> frozenset | None:
         """The axes of `tensor` holding the call's rows; `NONE` when it is computed from them
@@ -70,6 +79,78 @@ class RowAxes:
             self._known[top.ref()] = self._rule(top, [self._known[s.ref()] for s in sources])
         return self._known[tensor.ref()]
 
+    def row_size(self, tensor) -> int | None:
+        """How many values of `tensor`, which holds the rows in axis 0, each row has, where the
+        graph proves it: a call's input, `(rows, H, W, D)`, has `H*W*D`; a reshape keeps each
+        row's count (`(rows*H*W, D)` has `H*W*D` too: axis 0 holds `H*W` entries of each row);
+        an op keeping its input's axis 0 as it is (an op computing each element from its
+        inputs', a product with a kernel) has its own other axes' values per row, times the
+        entries of a row in axis 0. None where the graph does not prove it."""
+        entries = self._entries(tensor)
+        rest = size(tensor.shape[1:]) if tensor.shape.rank else None
+        return None if entries is None or rest is None else entries * rest
+
+    def _entries(self, tensor) -> int | None:
+        """How many entries of axis 0 of `tensor` (holding the rows there) each row has."""
+        seen = []
+        while self.of(tensor) == {0}:
+            if tensor.ref() in self._entries_known:
+                entries = self._entries_known[tensor.ref()]
+                break
+            seen.append(tensor)
+            op = tensor.op
+            if op.type == "Reshape":
+                values = self.row_size(op.inputs[0])
+                rest = size(asked_dims(op)[1:])
+                known = values is not None and rest and values % rest == 0
+                entries = values // rest if known else None
+                break
+            source = self._same_first_axis(tensor)
+            if source is None:
+                entries = None
+                break
+            tensor = source
+        else:
+            entries = None
+        for tensor in seen:
+            self._entries_known[tensor.ref()] = entries
+        return entries
+
+    def ungrouped(self, tensor) -> bool:
+        """Whether axis 0 of `tensor`, holding the rows, holds entries of each row apart from
+        each other (rows joined with rows along it, `tf.concat([x, y], 0)`): no reshape of it
+        keeps each row's values together."""
+        while self.of(tensor) == {0}:
+            op = tensor.op
+            if op.type == "ConcatV2":
+                axis = tf.get_static_value(op.inputs[-1])
+                return axis is None or int(axis) % max(tensor.shape.rank or 1, 1) == 0
+            tensor = self._same_first_axis(tensor)
+            if tensor is None:
+                return False
+        return False
+
+    def _same_first_axis(self, tensor):
+        """An input of `tensor`'s op whose axis 0 is `tensor`'s axis 0, entry for entry (an op
+        computing each element from its inputs', a product with a kernel, a convolution); None
+        for a call's input and for any op that may move, add or drop entries of axis 0."""
+        op = tensor.op
+        if op.type in _REDUCTIONS or op.type in ("ArgMax", "ArgMin"):  # over other axes only
+            axes = reduced_axes(op.inputs[1], op.inputs[0])
+            sources = [op.inputs[0]] if axes is not None and 0 not in axes else []
+        elif op.type in elementwise.BROADCAST or op.type in FIRST_AXIS_KEPT:
+            sources = list(op.inputs)
+        elif op.type in ("Transpose", "ExpandDims", "Squeeze", "StridedSlice"):
+            sources = [op.inputs[0]] if first_axis_kept(op) else []
+        elif op.type in ("GatherV2", "ResourceGather") and looked_up_by_row(op):
+            sources = [op.inputs[1]]  # a table's entries looked up by the rows' indices
+        else:
+            return None
+        for source in sources:
+            if self.of(source) == {0} and source.shape.rank and source.shape[0] == tensor.shape[0]:
+                return source
+        return None
+
     def _rule(self, tensor, held: list) -> frozenset | None:
         op = tensor.op
         if op.type == "Placeholder":  # of a nested function: a capture, or a loop's variable
@@ -88,50 +169,28 @@ class RowAxes:
             return _reduced(rows, reduced_axes(op.inputs[1], op.inputs[0]), keepdims)
         known = op.inputs and op.inputs[0].shape.rank is not None
         if op.type == "StridedSlice" and rows is not None and known and op.inputs[1].shape[0]:
-            return _sliced(op, rows)
+            return sliced(op, rows)
         if op.type in _SLICES and rows is not None:
             return rows  # some of the rows, or the rows padded: where they were
         if op.type == "Reshape" and rows is not None:
-            return _reshaped(self, op, rows)
+            return reshaped(self, op, rows)
         if op.type == "Transpose" and rows is not None:
             if (perm := tf.get_static_value(op.inputs[1])) is None:
-                return NONE
+                return anywhere(tensor)
             return frozenset(list(np.asarray(perm).reshape(-1)).index(axis) for axis in rows)
         if op.type == "ExpandDims" and rows is not None:
             axis = tf.get_static_value(op.inputs[1])
             if axis is None:
-                return NONE
+                return anywhere(tensor)
             axis = int(np.asarray(axis).reshape(-1)[0]) % tensor.shape.rank
             return frozenset(a + 1 if a >= axis else a for a in rows)
         if op.type == "Squeeze" and rows is not None:
             rank = op.inputs[0].shape.rank
             dims = {d % rank for d in op.get_attr("squeeze_dims")} if rank is not None else set()
             if not dims or rows & dims:
-                return NONE
+                return anywhere(tensor)
             return frozenset(a - sum(d < a for d in dims) for a in rows)
         return _kept(tensor, op.inputs, held)
-
-
-def _sliced(op, rows: frozenset) -> frozenset:
-    """Where `x[...]` puts the rows: each axis it keeps past the axes it drops (an index, `x[0]`)
-    or inserts (`x[None]`); `NONE` where it takes one row (`x[0]` of the rows)."""
-    rank, specs = op.inputs[0].shape.rank, op.inputs[1].shape[0]
-    bits = {name: op.get_attr(f"{name}_mask") for name in ("ellipsis", "new_axis", "shrink_axis")}
-    spanned = sum(1 for i in range(specs) if not (bits["ellipsis"] | bits["new_axis"]) >> i & 1)
-    where, axis, out = {}, 0, 0
-    for i in range(specs):
-        if bits["ellipsis"] >> i & 1:
-            for _ in range(rank - spanned):
-                where[axis], axis, out = out, axis + 1, out + 1
-        elif bits["new_axis"] >> i & 1:
-            out += 1
-        else:
-            kept = not bits["shrink_axis"] >> i & 1
-            where[axis], axis, out = (out if kept else None), axis + 1, out + kept
-    where.update({a: out + a - axis for a in range(axis, rank)})
-    if any(where[a] is None for a in rows):
-        return NONE
-    return frozenset(where[a] for a in rows)
 
 
 def reduced_axes(axes, tensor) -> set | None:
@@ -151,73 +210,6 @@ def _reduced(rows: frozenset, axes: set | None, keepdims: bool) -> frozenset:
     return frozenset(a - sum(r < a for r in axes) for a in rows)
 
 
-def _reshaped(axes: RowAxes, op, rows: frozenset) -> frozenset:
-    """Where a reshape of a tensor holding its rows in axis 0 puts them: in axis 0 when each
-    row's values stay together (the first dimension asked is the rows' count, or -1 with a row's
-    size a multiple of the rest); else over the first axes whose sizes, multiplied, cover them."""
-    source, target = op.inputs[0], op.outputs[0]
-    if rows != {0} or target.shape.rank is None or target.shape.rank == 0:
-        return NONE
-    first = _first_asked(op.inputs[1])
-    if (read := shape_read(first)) and read[1] == {0} and axes.of(read[0]) == {0}:  # shape(x)[0]
-        return frozenset({0})
-    per_row = _size(source.shape[1:])
-    dims = list(target.shape)
-    if op.inputs[1].op.type == "Pack" and len(op.inputs[1].op.inputs) == len(dims):
-        asked = [_static_int(t) for t in op.inputs[1].op.inputs]  # -1: inferred, unknown
-        dims = [d if d is not None or a is None or a < 0 else a for d, a in zip(dims, asked)]
-    if per_row is None:
-        return frozenset({0}) if first == -1 else frozenset({0, 1} & set(range(len(dims))))
-    for last in range(len(dims)):
-        rest = _size(dims[last + 1 :])
-        if rest is not None and per_row % rest == 0:
-            return frozenset(range(last + 1))
-    return frozenset({0})
-
-
-def _first_asked(shape):
-    """The first dimension a reshape asks for: an int, a tensor, or None when not known."""
-    value = tf.get_static_value(shape)
-    if value is not None and np.size(value):
-        return int(np.asarray(value).reshape(-1)[0])
-    if hasattr(shape, "op") and shape.op.type == "Pack":
-        first = shape.op.inputs[0]
-        static = tf.get_static_value(first)
-        return int(static) if static is not None else first
-    return None
-
-
-def _static_int(tensor) -> int | None:
-    """A dimension a reshape asks for, where it is known: a constant, or the product of static
-    dimensions of a tensor's shape (`tf.tensordot`'s `prod(gather(shape(x), axes))`)."""
-    value = tf.get_static_value(tensor)
-    if value is not None:
-        return int(np.asarray(value).reshape(-1)[0])
-    op = tensor.op
-    if op.type != "Prod" or op.inputs[0].op.type != "GatherV2":
-        return None
-    shape, picked = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[0].op.inputs[1])
-    if shape.op.type != "Shape" or picked is None:
-        return None
-    dims = [shape.op.inputs[0].shape[int(i)] for i in np.asarray(picked).reshape(-1)]
-    return None if None in dims else math.prod(dims)
-
-
-def shape_read(tensor) -> tuple | None:
-    """For a slice of a tensor's shape (`tf.shape(x)[0]`, `tf.shape(x)[1:]`): `(x, the axes of x
-    whose dimensions it reads)`, those axes None where not known; None for any other tensor."""
-    op = getattr(tensor, "op", None)
-    if op is None or op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-        return None
-    shaped, bounds = op.inputs[0].op.inputs[0], [tf.get_static_value(t) for t in op.inputs[1:]]
-    rank, mask = shaped.shape.rank, {n: op.get_attr(f"{n}_mask") & 1 for n in _MASKS}
-    if not rank or any(b is None for b in bounds) or mask["new_axis"] or mask["ellipsis"]:
-        return shaped, None
-    begin, end, stride = (int(np.asarray(b).reshape(-1)[0]) for b in bounds)
-    picked = range(rank)[None if mask["begin"] else begin : None if mask["end"] else end : stride]
-    return shaped, {begin % rank} if mask["shrink_axis"] else set(picked)
-
-
 def _kept(tensor, inputs, held: list) -> frozenset:
     """An input's row axes where the output has the same dimension there: at the same axes
     (a matmul, a convolution, a lookup by the rows' indices), else aligned from the last axis,
@@ -231,10 +223,6 @@ def _kept(tensor, inputs, held: list) -> frozenset:
             if all(0 <= m < out.rank and out[m] == source.shape[a] for a, m in zip(rows, moved)):
                 return frozenset(moved)
     return NONE
-
-
-def _size(dims) -> int | None:
-    return None if any(d is None for d in dims) else math.prod(dims)
 
 
 def _sources(tensor) -> list:

@@ -28,6 +28,7 @@ reduction's message.
 from __future__ import annotations
 
 import dataclasses
+from typing import NoReturn
 
 import tensorflow as tf
 from keras.src import backend
@@ -41,9 +42,11 @@ from kmirror._core.keras_hooks.rows import Rows
 __all__ = ["run"]
 
 
-def run(layer, args, kwargs, call, refused: str):
-    """`call(args, kwargs)` (`layer`'s call) on the whole batch, this replica's rows of its
-    outputs returned."""
+def run(layer, args, kwargs, call, what: str, refused: str):
+    """`call(args, kwargs)` (`layer`'s call, which `what` over its rows) on the whole batch,
+    this replica's rows of its outputs returned. Where an input or an output of it holds the
+    rows in another axis than the first, the call around it runs whole instead
+    (`_ask_enclosing`)."""
     rows, seeds = reductions.rows(), []
 
     def joined(leaf):
@@ -53,12 +56,14 @@ def run(layer, args, kwargs, call, refused: str):
         if not held:  # not computed from the rows, or holding none of them
             return leaf
         if held != {0}:
-            raise ValueError(
+            _ask_enclosing(
+                layer,
+                f"{what}, on an input holding the rows in axes {sorted(held)}",
                 f"{refused} kmirror cannot run the call on the whole batch either: its input "
                 f"holds the rows in axes {sorted(held)}, not in axis 0. Give the layer its rows "
                 "in the first axis (transpose inside its call), or compute the reduction in the "
-                "model's own train_step, outside the layer's call, on the whole batch."
-            ) from None
+                "model's own train_step, outside the layer's call, on the whole batch.",
+            )
         whole = _joined(leaf, rows, refused)
         seeds.append(whole)
         mask = backend.get_keras_mask(leaf)
@@ -72,11 +77,26 @@ def run(layer, args, kwargs, call, refused: str):
         outputs = call(whole_args, whole_kwargs)
     axes = RowAxes(seeds)  # where the whole call's tensors hold the rows of the batch
     with reductions.paused():
-        taken = tf.nest.map_structure(lambda out: _taken(out, axes.of(out), rows, refused), outputs)
+        taken = tf.nest.map_structure(
+            lambda out: _taken(out, axes.of(out), rows, layer, what, refused), outputs
+        )
     for output, whole in zip(tf.nest.flatten(taken), tf.nest.flatten(outputs)):
         if output is not whole:
             reductions.taken(output)  # in axis 0, however kmirror's collectives joined them
     return taken
+
+
+def _ask_enclosing(layer, what: str, refused: str) -> NoReturn:
+    """`layer`'s call cannot run on the whole batch (the rows are not in axis 0 of an input or an
+    output of it): the call around it asks to, where there is one (its inputs hold the rows in
+    axis 0); else a ValueError, `refused`."""
+    running = reductions.running()
+    index = next((i for i, call in enumerate(running) if call is layer), None)
+    if not index:
+        raise ValueError(refused) from None
+    reductions.ask_whole(
+        f"calls layer '{layer.name}' ({type(layer).__name__}), which {what}", running[index - 1]
+    )
 
 
 def _computed(rows: Rows):
@@ -107,11 +127,12 @@ def _joined(tensor, rows: Rows, refused):
     floating = placed.dtype.is_floating or placed.dtype.is_complex
     summed = rows.all_sum(placed if floating else tf.cast(placed, tf.float64))
     summed = summed if floating else tf.cast(summed, tensor.dtype)
-    summed.set_shape([None, *tensor.shape[1:]])
+    known = tf.get_static_value(rows.total)  # the batch's row count, where the trace knows it
+    summed.set_shape([None if known is None else int(known), *tensor.shape[1:]])
     return summed
 
 
-def _taken(output, held, rows: Rows, refused: str):
+def _taken(output, held, rows: Rows, layer, what: str, refused: str):
     """This replica's rows of a whole call's `output` (and of its mask) where it holds the rows
     in axis 0; all of it where it holds none (a statistic of the whole batch, a weight's value):
     one device's value (`global_batch.rows_first`)."""
@@ -119,14 +140,63 @@ def _taken(output, held, rows: Rows, refused: str):
     if first is False:
         return output
     if first is None:
-        raise ValueError(
+        _ask_enclosing(
+            layer,
+            f"{what}, and returns the rows in axes {sorted(held)}",
             f"{refused} kmirror ran the call on the whole batch, but an output of it holds the "
             f"rows in axes {sorted(held)}, not in axis 0: a replica cannot take its rows of it. "
-            "Return the rows in the first axis (transpose inside the call)."
+            "Return the rows in the first axis (transpose inside the call).",
         )
     first, computed = _computed(rows)
-    taken = output[first : first + computed]
+    # Each replica takes its rows by their place: an output of as many entries as the batch's
+    # rows (an op no rule follows may make others: then no replica can take its rows of it).
+    counted = tf.debugging.assert_equal(
+        tf.shape(output)[0],
+        tf.cast(rows.total, tf.int32),
+        message=f"{refused} kmirror ran the call on the whole batch, but an output of it does "
+        "not hold one entry per row of the batch in axis 0",
+    )
+    with tf.control_dependencies([counted]):
+        taken = output[first : first + computed]
     mask = backend.get_keras_mask(output)
     if mask is not None and mask.shape.rank:
         backend.set_keras_mask(taken, mask[first : first + computed])
     return taken
+
+
+def eager(layer, args, kwargs, call, rows: Rows):
+    """In eager mode (`run_eagerly=True`), `call(args, kwargs)` (the model's call in kmirror's
+    step) on the whole batch, this replica's rows of its outputs returned.
+
+    No graph says what an eager call computes over its rows, so no rule can split it: every
+    replica computes one device's call on the whole batch (every input of the model's call holds
+    the rows in axis 0), and takes its rows of each output with the batch's row count in axis 0;
+    an output of another count (a statistic of the batch) is taken whole. Exact, at the cost of
+    each replica computing the model's forward and backward pass on every row."""
+    refused = f"kmirror: in eager mode layer '{layer.name}' ({type(layer).__name__}) runs whole."
+
+    def joined(leaf):
+        if not tf.is_tensor(leaf) or isinstance(leaf, tf.Variable) or not leaf.shape.rank:
+            return leaf
+        whole = _joined(leaf, rows, refused)
+        mask = backend.get_keras_mask(leaf)
+        if mask is not None and mask.shape.rank:
+            backend.set_keras_mask(whole, _joined(mask, rows, refused))
+        return whole
+
+    whole_args, whole_kwargs = tf.nest.map_structure(joined, (args, kwargs))
+    with replica_rows(dataclasses.replace(rows, whole=True)):
+        outputs = call(whole_args, whole_kwargs)
+    total = int(rows.total)
+    first, computed = _computed(rows)
+
+    def taken(output):
+        if not tf.is_tensor(output) or not output.shape.rank or output.shape[0] != total:
+            return output
+        mine = output[first : first + computed]
+        mask = backend.get_keras_mask(output)
+        if mask is not None and mask.shape.rank:
+            backend.set_keras_mask(mine, mask[first : first + computed])
+        return mine
+
+    return tf.nest.map_structure(taken, outputs)
