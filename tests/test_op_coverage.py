@@ -13,7 +13,8 @@ values (`ravel`) is read as rows the same way; one of a fixed size (a statistic 
 weighed entry by entry, so an entry computed in the wrong place is caught; any other, its mean,
 given to every row.
 
-`make test-ops` runs it (`.ci/run` calls it).
+`make test` checks the table names every function; `make test-ops` runs the rest (on 3 replicas
+it finds a fault not fixed yet: `count_nonzero`'s sums over the replicas are not matched).
 """
 
 import functools
@@ -30,8 +31,6 @@ from real_models import precision
 
 import kmirror
 from kmirror._core.keras_hooks.explaining import recording
-
-pytestmark = pytest.mark.ops
 
 ROWS, BATCH = 34, 17
 WIDTH = 8
@@ -165,6 +164,7 @@ def test_the_table_names_every_function_of_keras_ops():
     assert sorted(named - set(names())) == [], "names in the table keras.ops does not have"
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_every_op_is_one_devices(replicas, capsys):
     labels = sorted(_table()[0])
@@ -189,11 +189,11 @@ def test_every_op_is_one_devices(replicas, capsys):
     assert different == [], "ops whose values differ from one device's"
 
 
+@pytest.mark.ops
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_an_op_one_device_cannot_run_fails_the_same_way(replicas):
     for label in sorted(_table()[1]):
         with pytest.raises(Exception) as raised:
             _predicted(_model([label]))
-        wrapped = kmirror.wrap(_model([label]), devices=cpus(replicas))
         with pytest.raises(type(raised.value)):
-            _predicted(wrapped)
+            _predicted(kmirror.wrap(_model([label]), devices=cpus(replicas)))
