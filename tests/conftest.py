@@ -90,9 +90,11 @@ def group(item) -> str:
     if any(item.nodeid == job or item.nodeid.startswith(job + "::") for job in JOBS):
         horovod = "horovod" in item.nodeid or item.nodeid.startswith("tests/test_ray.py")
         return "horovod jobs" if horovod else "ring jobs"
-    deep = item.callspec.params.get("name") if hasattr(item, "callspec") else None
-    if "test_deep_model" in item.nodeid and deep:
-        return f"deep {deep}"
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "test_deep_model" in item.nodeid and params.get("name"):
+        return f"deep {params['name']}"
+    if "test_op_coverage" in item.nodeid and "chunk" in params:  # its ops' references shared
+        return f"ops {params['chunk']}"
     return item.nodeid.split("::")[0]
 
 
@@ -102,3 +104,28 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group(item)))
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(group(item), len(FIRST)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The totals of `make test-ops` (tests/test_op_coverage.py), summed over its models."""
+    from op_coverage import NOT_A_TENSOR_MAP, names
+
+    totals, errors = {}, {}
+    for report in terminalreporter.stats.get("passed", []):
+        for name, value in report.user_properties:
+            if name == "op coverage":
+                replicas, config, split, whole = value
+                found = totals.setdefault((replicas, config), [0, 0])
+                found[0], found[1] = found[0] + split, found[1] + whole
+            elif name == "op coverage errors":
+                errors[value[0]] = value[1]
+    if not totals:
+        return
+    taking = len(names()) - len(NOT_A_TENSOR_MAP)
+    terminalreporter.write_sep("-", f"keras.ops: {taking} functions take a tensor")
+    for (replicas, config), (split, whole) in sorted(totals.items()):
+        error = errors.get(replicas, "?")
+        terminalreporter.write_line(
+            f"{replicas} replicas, {config}: {split} split over the rows, {whole} run whole, "
+            f"{error} fail as on one device"
+        )

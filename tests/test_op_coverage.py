@@ -1,10 +1,14 @@
 """Coverage measured against the op set, not against programs: every public function of
 `keras.ops` (tests/op_coverage.py) applied to a tensor holding the rows of a layer call, each in a
-layer of its own, all in one compiled model, traced: its `predict` on 2 and 3 replicas, on 34 rows
-in batches of 17 (shares of 8 and 9 rows on 2 replicas, of 5, 6 and 6 on 3), gives each op's values
-as one device's in float64 within 1e-10; an op one device cannot run in a traced model fails with
-the same error. The totals (calls kmirror splits over the replicas' rows, runs whole, and errors)
-are printed, and docs/concepts.md gives them.
+layer of its own, its column of one model's output, in float64: trained by `fit`, then
+`evaluate`d and `predict`ed, on 37 rows in batches of 17 (a final batch of 3: shares of 8 and 9
+rows, then 2 and 1, on 2 replicas; of 5, 6 and 6, then 1 each, on 3). Each op scales the call's
+values by a weight of its layer's own, which its gradient alone trains. On 2 and 3 replicas, in a
+compiled model and in one with its own `train_step`, `test_step` and `predict_step`, traced and
+eager, every op's trained weight and predicted column, and the loss `fit` logs and `evaluate`'s,
+equal one device's within 1e-10; an op one device cannot run in a traced model fails with the
+same error. The totals (calls kmirror splits over the replicas' rows, runs whole, and errors) are
+printed at the end of `make test-ops` (tests/conftest.py), and docs/concepts.md gives them.
 
 What each op gives is turned into one value per row: an output with the batch's rows in axis 0
 gives each row its own values' mean (a row paired with another's value, as an op over the rows
@@ -13,8 +17,8 @@ values (`ravel`) is read as rows the same way; one of a fixed size (a statistic 
 weighed entry by entry, so an entry computed in the wrong place is caught; any other, its mean,
 given to every row.
 
-`make test` checks the table names every function; `make test-ops` runs the rest (on 3 replicas
-it finds a fault not fixed yet: `count_nonzero`'s sums over the replicas are not matched).
+`make test` checks the table names every function; `make test-ops` (which `.ci/run` runs) the
+rest.
 """
 
 import functools
@@ -32,7 +36,7 @@ from real_models import precision
 import kmirror
 from kmirror._core.keras_hooks.explaining import recording
 
-ROWS, BATCH = 34, 17
+ROWS, BATCH = 37, 17
 WIDTH = 8
 
 
@@ -66,9 +70,9 @@ def _kind(shapes: dict) -> str:
 
 @functools.cache
 def _table() -> tuple[dict, dict]:
-    """(the variants one device runs: label -> (apply, each output's kind), the variants one
-    device cannot run in a traced model: label -> apply), from one device's run of each, traced
-    with the row count unknown, on 5 and 11 rows."""
+    """(the variants one device runs: label -> (apply, each output's kind, whether its values
+    have a finite gradient), the variants one device cannot run in a traced model: label ->
+    apply), from one device's run of each, traced with the row count unknown, on 5 and 11 rows."""
     runs, errors = {}, {}
     spec = tf.TensorSpec((None, WIDTH), "float64")
     with precision("float64"):
@@ -78,7 +82,15 @@ def _table() -> tuple[dict, dict]:
             def outputs(h, apply=apply):  # traced as a layer call is, its row count unknown
                 return [_float(t) for t in tf.nest.flatten(apply(Values(h)))]
 
-            shapes = {}
+            @tf.function(input_signature=[spec])
+            def gradient(h, apply=apply):
+                with tf.GradientTape() as tape:
+                    tape.watch(h)
+                    total = tf.add_n([tf.reduce_sum(t) for t in outputs(h)])
+                found = tape.gradient(total, h)
+                return tf.zeros_like(h) if found is None else found
+
+            shapes, finite = {}, True
             try:
                 for rows in (5, 11):
                     h = tf.constant(np.tanh(np.random.default_rng(rows).normal(size=(rows, WIDTH))))
@@ -88,19 +100,34 @@ def _table() -> tuple[dict, dict]:
             except Exception:  # one device cannot run it in a traced model
                 errors[label] = apply
                 continue
-            runs[label] = (apply, [_kind({5: f, 11: s}) for f, s in zip(shapes[5], shapes[11])])
+            try:
+                for rows in (5, 11):
+                    h = tf.constant(np.tanh(np.random.default_rng(rows).normal(size=(rows, WIDTH))))
+                    finite = finite and bool(np.all(np.isfinite(gradient(h).numpy())))
+            except Exception:  # no gradient: trained through `stop_gradient`
+                finite = False
+            kinds = [_kind({5: f, 11: s}) for f, s in zip(shapes[5], shapes[11])]
+            runs[label] = (apply, kinds, finite)
     return runs, errors
 
 
 class Probe(L.Layer):
-    """One op of the table over the rows of its call, read as one value per row."""
+    """One op of the table over the rows of its call, read as one value per row. The call's
+    values are scaled by a weight of the layer's own, which the op's gradient alone trains (an op
+    with no finite gradient gets none)."""
 
-    def __init__(self, apply, kinds, **kwargs):
+    def __init__(self, apply, kinds, differentiable, **kwargs):
         super().__init__(**kwargs)
-        self.apply, self.kinds = apply, kinds
+        self.apply, self.kinds, self.differentiable = apply, kinds, differentiable
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
 
     def call(self, h):
-        outputs = tf.nest.flatten(self.apply(Values(h)))
+        h = h * self.scale
+        outputs = tf.nest.flatten(
+            self.apply(Values(h if self.differentiable else ops.stop_gradient(h)))
+        )
         per_row = ops.zeros_like(h[:, 0])
         for output, kind in zip(outputs, self.kinds):
             value = _float(output)
@@ -117,44 +144,110 @@ class Probe(L.Layer):
         return ops.expand_dims(per_row, -1)
 
 
+class OwnSteps(keras.Model):
+    """The same model with its own steps: the squared error trained by hand in `train_step` and
+    logged by it and by `test_step`; its own `predict_step`."""
+
+    def _error(self, data, training):
+        x, y = data
+        return ops.mean((self(x, training=training) - y) ** 2)
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            error = self._error(data, training=True)
+        weights = self.trainable_variables
+        gradients = tape.gradient(error, weights)
+        self.optimizer.apply_gradients(
+            [(gradient, w) for gradient, w in zip(gradients, weights) if gradient is not None]
+        )
+        return {"loss": error}
+
+    def test_step(self, data):
+        return {"loss": self._error(data, training=False)}
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return self(x, training=False)
+
+
 def _layer_names(labels) -> dict:
     return {label: f"op_{i}" for i, label in enumerate(labels)}
 
 
-def _network(labels) -> keras.Model:
-    """A model giving each op's values per row, one output per op, in `labels`' order."""
+def _network(labels, own: bool) -> keras.Model:
+    """A model giving each op's values per row, one column per op, in `labels`' order."""
     runs, errors = _table()
     keras.utils.set_random_seed(2)
     x = keras.Input((WIDTH,))
-    h = L.Dense(WIDTH, activation="tanh")(x)
+    h = L.Dense(WIDTH, activation="tanh", trainable=False)(x)
     named = _layer_names(labels)
-    outputs = []
+    columns = []
     for label in labels:
-        apply, kinds = runs[label] if label in runs else (errors[label], [])
-        outputs.append(Probe(apply, kinds, name=named[label])(h))
-    return keras.Model(x, outputs)
+        apply, kinds, finite = runs[label] if label in runs else (errors[label], [], False)
+        columns.append(Probe(apply, kinds, finite, name=named[label])(h))
+    outputs = L.Concatenate()(columns) if len(columns) > 1 else columns[0]
+    return (OwnSteps if own else keras.Model)(x, outputs)
 
 
-def _predicted(model) -> list:
-    x, _ = _data()
+def _model(labels, own: bool = False, eager: bool = False) -> keras.Model:
     with precision("float64"):
-        predicted = model.predict(x, batch_size=BATCH, verbose=0)
-    return predicted if isinstance(predicted, list) else [predicted]
+        model = _network(labels, own)
+        loss = None if own else "mse"
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, run_eagerly=eager)
+    return model
 
 
-def _model(labels) -> keras.Model:
-    with precision("float64"):
-        return _network(labels)
-
-
-def _data():
+def _data(labels):
+    """Rows, and a target for each op's column."""
     rng = np.random.default_rng(0)
-    return rng.normal(size=(ROWS, WIDTH)), rng.normal(size=(ROWS, 1))
+    return rng.normal(size=(ROWS, WIDTH)), rng.normal(size=(ROWS, len(labels)))
+
+
+def _predicted(model, labels) -> np.ndarray:
+    x, _ = _data(labels)
+    with precision("float64"):
+        return model.predict(x, batch_size=BATCH, verbose=0)
+
+
+def _run(model, labels) -> dict:
+    """What `fit`, `evaluate` and `predict` give: each op's weight trained by its gradient alone
+    and its column predicted after, by label; the loss `fit` logs and `evaluate`'s, of all ops
+    (an op's error shows in them too)."""
+    x, y = _data(labels)
+    with precision("float64"):
+        history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+        evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    predicted = _predicted(model, labels)
+    found = {"every op": {"fit's logged loss": history["loss"], "evaluate": evaluated["loss"]}}
+    for i, (label, name) in enumerate(_layer_names(labels).items()):
+        found[label] = {
+            "trained weight": model.get_layer(name).scale.numpy(),
+            "predict": predicted[:, i],
+        }
+    return found
+
+
+CONFIGS = {
+    "compiled": (False, False),
+    "compiled, eager": (False, True),
+    "own steps": (True, False),
+    "own steps, eager": (True, True),
+}
+
+
+#: The ops are checked in this many models of their own, each with every `CHUNKS`-th op: a model's
+#: trace costs more than in proportion to its ops.
+CHUNKS = 4
+
+
+def _chunk(chunk: int) -> list[str]:
+    return sorted(_table()[0])[chunk::CHUNKS]
 
 
 @functools.cache
-def _one_device() -> list:
-    return _predicted(_model(sorted(_table()[0])))
+def _one_device(own: bool, chunk: int) -> dict:
+    """One device's values, traced (its eager values are the same but for rounding)."""
+    return _run(_model(_chunk(chunk), own), _chunk(chunk))
 
 
 def test_the_table_names_every_function_of_keras_ops():
@@ -165,35 +258,37 @@ def test_the_table_names_every_function_of_keras_ops():
 
 
 @pytest.mark.ops
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_every_op_is_one_devices(replicas, capsys):
-    labels = sorted(_table()[0])
-    expected = _one_device()
-    model = kmirror.wrap(_model(labels), devices=cpus(replicas))
-    with recording() as report:  # what the traced step did where
-        predicted = _predicted(model)
+def test_every_op_is_one_devices(replicas, config, chunk, record_property):
+    own, eager = CONFIGS[config]
+    labels = _chunk(chunk)
+    expected = _one_device(own, chunk)
+    model = kmirror.wrap(_model(labels, own, eager), devices=cpus(replicas))
+    with recording() as report:  # what the steps did where
+        found = _run(model, labels)
     named = {name: label for label, name in _layer_names(labels).items()}
     whole = {named[n.split(" (")[0]] for n, _ in report.whole if n.split(" (")[0] in named}
-    with capsys.disabled():
-        print(
-            f"\nkeras.ops coverage on {replicas} replicas: {len(labels) - len(whole)} split, "
-            f"{len(whole)} whole, {len(_table()[1])} error, of the "
-            f"{len(names()) - len(NOT_A_TENSOR_MAP)} functions of keras.ops that take a tensor "
-            f"({len(NOT_A_TENSOR_MAP)} take none); whole: {', '.join(sorted(whole))}"
-        )
+    if eager:  # every call runs whole on every replica (`whole_calls.eager`)
+        whole = set(labels)
+    # Printed at the end of the run, summed over the chunks (tests/conftest.py).
+    record_property("op coverage", (replicas, config, len(labels) - len(whole), len(whole)))
     different = [
-        (label, float(np.max(np.abs(a - b))))
-        for label, a, b in zip(labels, expected, predicted)
-        if not np.allclose(a, b, rtol=1e-10, atol=1e-10)
+        (label, what, float(np.max(np.abs(np.subtract(values, expected[label][what])))))
+        for label in found
+        for what, values in found[label].items()
+        if not np.allclose(values, expected[label][what], rtol=1e-10, atol=1e-10, equal_nan=True)
     ]
     assert different == [], "ops whose values differ from one device's"
 
 
 @pytest.mark.ops
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_an_op_one_device_cannot_run_fails_the_same_way(replicas):
+def test_an_op_one_device_cannot_run_fails_the_same_way(replicas, record_property):
+    record_property("op coverage errors", (replicas, len(_table()[1])))
     for label in sorted(_table()[1]):
         with pytest.raises(Exception) as raised:
-            _predicted(_model([label]))
+            _predicted(_model([label]), [label])
         with pytest.raises(type(raised.value)):
-            _predicted(kmirror.wrap(_model([label]), devices=cpus(replicas)))
+            _predicted(kmirror.wrap(_model([label]), devices=cpus(replicas)), [label])

@@ -44,16 +44,15 @@ def _names(text: str) -> set[str]:
 #: Ops computing each element from the same elements of their inputs: broadcast as NumPy does
 #: (`elementwise`), or not (a v1 `Select` by a vector, a bitcast, a one-hot, a fill).
 _PER_ELEMENT = elementwise.BROADCAST | _names("Select Bitcast OneHot Fill")
-#: Ops moving or keeping values whose rows `row_axes` follows; loops, conditions and functions,
-#: whose own ops are checked as they are made; writes (`writes`) and assertions.
+#: Ops moving or keeping values whose rows `row_axes` follows; loops and conditions, whose own
+#: ops are checked as they are made; writes (`writes`) and assertions.
 _MOVING = _names(
     """Identity IdentityN Snapshot StopGradient PreventGradient CheckNumerics EnsureShape Reshape
     Transpose ConjugateTranspose ExpandDims Squeeze Shape ShapeN Size Rank Pack BroadcastArgs
     BroadcastGradientArgs TensorListFromTensor TensorListSetItem TensorListStack
     TensorListReserve TensorListLength TensorListElementShape TensorListPushBack
-    TensorListScatterV2 While StatelessWhile If StatelessIf Case StatelessCase PartitionedCall
-    StatefulPartitionedCall AssignVariableOp AssignAddVariableOp AssignSubVariableOp ResourceGather
-    Assert StringFormat PrintV2 NoOp"""
+    TensorListScatterV2 While StatelessWhile If StatelessIf Case StatelessCase AssignVariableOp
+    AssignAddVariableOp AssignSubVariableOp ResourceGather Assert StringFormat PrintV2 NoOp"""
 )
 #: Ops computing each index of their inputs' first axis on its own.
 _PER_ROW = _names(
@@ -182,8 +181,22 @@ def _counted(op_type: str, inputs) -> None:
         )
 
 
+#: Calls of a function graph: one traced before (a `tf.function` a layer calls again, Keras'
+#: `ops.jvp`) is reused without making its ops again, where kmirror would check them, and a
+#: replica may reuse what another traced: which of them checked its ops is not the same on every
+#: replica. Such a call over the rows runs the layer's call whole on every replica.
+_FUNCTION_CALLS = _names("PartitionedCall StatefulPartitionedCall")
+
+
 def _check(op_type: str, inputs, attrs) -> None:
     if op_type in _MOVING or not reductions.watching():
+        return
+    if op_type in _FUNCTION_CALLS:
+        if any(reductions.held(t) for t in inputs):
+            reductions.ask_whole(
+                "calls a function TensorFlow traced (a `tf.function`), whose ops kmirror does "
+                "not follow, over its rows"
+            )
         return
     _counted(op_type, inputs)
     if op_type in _PER_ELEMENT:
