@@ -1,10 +1,11 @@
 """Where a tensor of a function graph nested in a layer call comes from.
 
 A layer's call can build function graphs of its own: a loop's body (`tf.while_loop`, Keras'
-recurrent layers), a branch of a condition (`tf.cond`), a `tf.function` it calls. Such a graph
-reads the enclosing graph's tensors through placeholders: one it captures says which tensor it
-stands for (`captured`); a loop's variable inside the body does not say which value it carries
-(the loop's initial value, or what the last iteration computed).
+recurrent layers), a branch of a condition (`tf.cond`), a `tf.function` it calls (whose call over
+the rows runs the layer's call whole: `other_ops`). Such a graph reads the enclosing graph's
+tensors through placeholders: one it captures says which tensor it stands for (`captured`); a
+loop's variable inside the body does not say which value it carries (the loop's initial value, or
+what the last iteration computed).
 
 A replica's rows of the batch have no known count in the traced step (`global_batch.any_count`),
 so a loop's variable with an unknown first dimension is taken to hold the call's rows in axis 0

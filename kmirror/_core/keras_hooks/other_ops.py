@@ -18,6 +18,8 @@ rows is checked as it is made (`tf_hooks.graphs.watch_ops`), where an input of i
   axis it is given (a split, a cumulative log-sum-exp, a tile, a reversal): as TensorFlow makes
   it where that is not an axis holding the rows; a concatenation, where it is not, or where every
   input holds the rows there (rows joined with rows);
+- a call of a function TensorFlow traced (a `tf.function` the layer calls, `ops.jvp`): the call
+  runs whole, since a function traced before is reused without its ops being made again;
 - any other op (a kind kmirror does not know, or one of the above over the rows): the call runs
   on the whole batch (`reductions.ask_whole`), where it is one device's value. A layer that runs
   so still trains exactly, with each replica computing its call on every row.
