@@ -144,6 +144,8 @@ UNARY = """abs absolute angle arcsinh arctan cbrt ceil celu conj conjugate copy 
 SEGMENTS = "segment_sum segment_max segment_min segment_prod"
 POSITIVE = "log log10 log1p log2 sqrt rsqrt reciprocal"
 UNIT = "arcsin arccos arctanh erfinv"
+#: Of symmetric positive definite matrices.
+SYMMETRIC = "det inv logdet slogdet cholesky eig eigh lu_factor qr svd pinv matrix_rank"
 BINARY = """add subtract multiply divide true_divide maximum minimum fmax fmin arctan2 hypot
     logaddexp logaddexp2 equal not_equal greater greater_equal less less_equal nextafter
     heaviside isclose"""
@@ -391,19 +393,8 @@ OPS["allclose"] = lambda v: ops.allclose(v.h, ops.flip(v.h, axis=1))
 OPS["ldexp"] = lambda v: ops.ldexp(v.h, v.ints % 3)
 OPS["round"] = lambda v: ops.round(v.h, 1)
 OPS["size"] = lambda v: ops.size(v.h)
-OPS["det"] = lambda v: ops.det(v.spd)
-OPS["inv"] = lambda v: ops.inv(v.spd)
-OPS["logdet"] = lambda v: ops.logdet(v.spd)
-OPS["slogdet"] = lambda v: ops.slogdet(v.spd)
-OPS["cholesky"] = lambda v: ops.cholesky(v.spd)
+OPS.update({n: _unary(n, "spd") for n in SYMMETRIC.split()})
 OPS["cholesky_inverse"] = lambda v: ops.cholesky_inverse(ops.cholesky(v.spd))
-OPS["eig"] = lambda v: ops.eig(v.spd)
-OPS["eigh"] = lambda v: ops.eigh(v.spd)
-OPS["lu_factor"] = lambda v: ops.lu_factor(v.spd)
-OPS["qr"] = lambda v: ops.qr(v.spd)
-OPS["svd"] = lambda v: ops.svd(v.spd)
-OPS["pinv"] = lambda v: ops.pinv(v.spd)
-OPS["matrix_rank"] = lambda v: ops.matrix_rank(v.spd)
 OPS["solve"] = lambda v: ops.solve(v.spd, v.mat)
 OPS["solve_triangular"] = lambda v: ops.solve_triangular(v.lower, v.mat, lower=True)
 OPS["lstsq"] = lambda v: ops.lstsq(v.spd[0, 0], v.mat[0, 0])
