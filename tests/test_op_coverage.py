@@ -75,6 +75,8 @@ def _table() -> tuple[dict, dict]:
     apply), from one device's run of each, traced with the row count unknown, on 5 and 11 rows."""
     runs, errors = {}, {}
     spec = tf.TensorSpec((None, WIDTH), "float64")
+    rng = np.random.default_rng
+    given = {rows: tf.constant(np.tanh(rng(rows).normal(size=(rows, WIDTH)))) for rows in (5, 11)}
     with precision("float64"):
         for label, apply in _variants().items():
 
@@ -92,8 +94,7 @@ def _table() -> tuple[dict, dict]:
 
             shapes, finite = {}, True
             try:
-                for rows in (5, 11):
-                    h = tf.constant(np.tanh(np.random.default_rng(rows).normal(size=(rows, WIDTH))))
+                for rows, h in given.items():
                     found = outputs(h)
                     shapes[rows] = [tuple(t.shape) for t in found]
                     assert all(np.all(np.isfinite(t.numpy())) for t in found), label
@@ -101,8 +102,7 @@ def _table() -> tuple[dict, dict]:
                 errors[label] = apply
                 continue
             try:
-                for rows in (5, 11):
-                    h = tf.constant(np.tanh(np.random.default_rng(rows).normal(size=(rows, WIDTH))))
+                for h in given.values():
                     finite = finite and bool(np.all(np.isfinite(gradient(h).numpy())))
             except Exception:  # no gradient: trained through `stop_gradient`
                 finite = False
