@@ -1,12 +1,15 @@
 """Models with their own train_step: kmirror against native MirroredStrategy running the same step.
 
-Two programs of keras.io's generative and self-supervised half, each the same Keras model class on
-both sides, on 2 simulated devices:
+Three programs, each the same Keras model class on both sides, on 2 simulated devices: two of
+keras.io's generative and self-supervised half, and differentially private training:
 
 - `dcgan`: a DCGAN-like step (64x64x3 images, batch 64): a convolutional generator and
   discriminator, two optimizers, two gradient steps per batch;
 - `simclr`: a SimCLR-like contrastive step (batch 64): two noisy views through an encoder, an
-  InfoNCE loss over every row of the batch.
+  InfoNCE loss over every row of the batch;
+- `dpsgd`: DP-SGD on a small convolutional network (28x28x1 images, batch 64): each row's
+  gradient by `tf.vectorized_map`, clipped, summed, noised; also against one device (kmirror
+  maps each replica's rows; native MirroredStrategy runs the step on each replica's rows).
 
 kmirror runs the step on the whole batch on every replica, each layer call on the replica's rows
 (the step computes what one device computes); native MirroredStrategy runs it on each replica's
@@ -23,10 +26,11 @@ fewer threads than replicas need, native MirroredStrategy's replicas may run one
 and count one replica's activations at a time; kmirror's replicas meet at every layer call's
 join, so theirs always overlap.)
 
-Writes `"own_step": {"dcgan": {"time": r, "peak_memory": r, ...}, "simclr": {...}}` to
-benchmarks/results.json.
+Writes `"own_step": {"dcgan": {"time": r, "peak_memory": r, ...}, "simclr": {...}, "dpsgd":
+{..., "time_one_device": r}}` to benchmarks/results.json.
 
     python benchmarks/bench_own_step.py [--devices 2] [--rounds 3] [--batches 4] [--memory-runs 5]
+        [--programs dcgan,simclr,dpsgd]
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ BATCH, SIZE, LATENT = 64, 64, 64
 #: Inter-op threads per replica in a memory child: enough that the replicas' passes overlap.
 THREADS_PER_REPLICA = 4
 SIDES = ("kmirror", "native")
-PROGRAMS = ("dcgan", "simclr")
+PROGRAMS = ("dcgan", "simclr", "dpsgd")
+#: The programs also measured on one device (their per-row work split over the replicas).
+ONE_DEVICE = ("dpsgd",)
 
 
 def dcgan():
@@ -141,12 +147,62 @@ def simclr():
     return model
 
 
+def dpsgd():
+    import keras
+    import tensorflow as tf
+    from keras import layers as L
+    from keras import ops
+
+    class Private(keras.Sequential):
+        """DP-SGD: each row's gradient by `tf.vectorized_map`, clipped, summed, noised."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.noise = keras.random.SeedGenerator(1)
+
+        def train_step(self, data):
+            x, y = data
+            weights = self.trainable_variables
+
+            def row(pair):
+                xi, yi = pair
+                with tf.GradientTape() as tape:
+                    loss = keras.losses.sparse_categorical_crossentropy(
+                        yi[None], self(xi[None], training=True), from_logits=True
+                    )[0]
+                return tape.gradient(loss, weights), loss
+
+            grads, losses = tf.vectorized_map(row, (x, y))
+            squares = [ops.sum(ops.reshape(g, (ops.shape(g)[0], -1)) ** 2, axis=1) for g in grads]
+            factors = 1.0 / ops.maximum(ops.sqrt(sum(squares)), 1.0)
+            count = ops.cast(ops.shape(x)[0], "float32")
+            noisy = []
+            for grad, weight in zip(grads, weights):
+                total = ops.sum(grad * ops.reshape(factors, [-1] + [1] * len(weight.shape)), 0)
+                draw = keras.random.normal(weight.shape, stddev=0.5, seed=self.noise)
+                noisy.append((total + draw) / count)
+            self.optimizer.apply_gradients(zip(noisy, weights))
+            return {"loss": ops.mean(losses)}
+
+    keras.utils.set_random_seed(0)
+    model = Private(
+        [keras.Input((28, 28, 1))]
+        + [L.Conv2D(c, 3, strides=2, padding="same", activation="relu") for c in (16, 32)]
+        + [L.Flatten(), L.Dense(10)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+    return model
+
+
 def data(program: str, batches: int):
     import numpy as np
 
+    rng = np.random.default_rng(0)
+    if program == "dpsgd":
+        x = rng.uniform(size=(batches * BATCH, 28, 28, 1)).astype("float32")
+        return x, rng.integers(0, 10, size=(batches * BATCH,))
     size = SIZE if program == "dcgan" else 32
-    x = np.random.default_rng(0).uniform(size=(batches * BATCH, size, size, 3)).astype("float32")
-    return x, None
+    return rng.uniform(size=(batches * BATCH, size, size, 3)).astype("float32"), None
 
 
 def build(program: str, side: str, devices):
@@ -154,9 +210,12 @@ def build(program: str, side: str, devices):
 
     import kmirror
 
-    make = dcgan if program == "dcgan" else simclr
+    make = {"dcgan": dcgan, "simclr": simclr, "dpsgd": dpsgd}[program]
     if side == "kmirror":
         return kmirror.wrap(make(), reducer="hierarchical_copy", devices=devices)
+    if side == "one_device":
+        with tf.device(devices[0]):
+            return make()
     strategy = tf.distribute.MirroredStrategy(
         devices, cross_device_ops=tf.distribute.HierarchicalCopyAllReduce()
     )
@@ -206,31 +265,37 @@ def peak(program: str, side: str, devices: int, batches: int, runs: int) -> floa
     return statistics.median(measured)
 
 
+def _sides(program: str) -> tuple[str, ...]:
+    return SIDES + (("one_device",) if program in ONE_DEVICE else ())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--memory-runs", type=int, default=5)
-    parser.add_argument("--child", choices=SIDES)
+    parser.add_argument("--child", choices=SIDES + ("one_device",))
     parser.add_argument("--program", choices=PROGRAMS, default="dcgan")
+    parser.add_argument("--programs", default=",".join(PROGRAMS), help="those measured")
     args = parser.parse_args()
     if args.child:
         return child(args.program, args.child, args.devices, args.batches)
+    programs = args.programs.split(",")
 
     memory = {
         (program, side): peak(program, side, args.devices, args.batches, args.memory_runs)
-        for program in PROGRAMS
-        for side in SIDES
+        for program in programs
+        for side in _sides(program)
     }
 
     import kmirror
 
     devices = kmirror.devices.simulate(args.devices)
     result = {"replicas": args.devices, "batch": BATCH, "machine": common.machine()}
-    for program in PROGRAMS:
+    for program in programs:
         x, y = data(program, args.batches)
-        sides = {side: build(program, side, devices) for side in SIDES}
+        sides = {side: build(program, side, devices) for side in _sides(program)}
         for model in sides.values():  # warm-up: tracing
             common.seconds_per_step(model, x, y, BATCH)
         medians = common.interleaved(
@@ -245,10 +310,15 @@ def main():
             "peak_memory": round(memory[program, "kmirror"] / memory[program, "native"], 4),
             "kmirror_ms_per_step": round(1e3 * medians["kmirror"], 2),
             "native_ms_per_step": round(1e3 * medians["native"], 2),
-            **{f"{side}_peak_mib": round(memory[program, side], 1) for side in SIDES},
+            **{f"{side}_peak_mib": round(memory[program, side], 1) for side in _sides(program)},
         }
+        if "one_device" in sides:
+            result[program]["time_one_device"] = round(
+                medians["kmirror"] / medians["one_device"], 4
+            )
+            result[program]["one_device_ms_per_step"] = round(1e3 * medians["one_device"], 2)
     print(result)
-    common.update_results("own_step", result)
+    common.update_results("own_step", {**common.results().get("own_step", {}), **result})
     print(f"wrote {common.RESULTS}")
 
 

@@ -239,11 +239,16 @@ def write_from_chief(out: str, value, is_chief: bool) -> None:
             json.dump(value, f)
 
 
+def results() -> dict:
+    """What benchmarks/results.json holds."""
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+
+
 def update_results(section: str, values) -> None:
     """Writes one section of benchmarks/results.json, keeping the others."""
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results[section] = values
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    found = results()
+    found[section] = values
+    RESULTS.write_text(json.dumps(found, indent=2, sort_keys=True) + "\n")
 
 
 def options(doc: str, **defaults) -> argparse.Namespace:

@@ -234,11 +234,26 @@ def own_step(results: dict) -> str:
             r[program]["kmirror_peak_mib"],
             r[program]["peak_memory"],
         ]
-        for program in ("dcgan", "simclr")
+        for program in ("dcgan", "simclr", "dpsgd")
         if program in r
     ]
     header = ["own train_step", "native ms/step", "kmirror ms/step", "time ratio"]
     header += ["native peak MiB", "kmirror peak MiB", "memory ratio"]
+    alone = [
+        [
+            program,
+            r[program]["one_device_ms_per_step"],
+            r[program]["kmirror_ms_per_step"],
+            r[program]["time_one_device"],
+            r[program]["one_device_peak_mib"],
+            r[program]["kmirror_peak_mib"],
+            round(r[program]["kmirror_peak_mib"] / r[program]["one_device_peak_mib"], 4),
+        ]
+        for program in ("dpsgd",)
+        if "time_one_device" in r.get(program, {})
+    ]
+    against = ["own train_step", "one device ms/step", "kmirror ms/step", "time ratio"]
+    against += ["one device peak MiB", "kmirror peak MiB", "memory ratio"]
     return (
         f"### Own train_step ({r['replicas']} replicas, batch {r['batch']})\n\n"
         + "kmirror runs the step on the whole batch (one device's values), native "
@@ -247,7 +262,15 @@ def own_step(results: dict) -> str:
         + "once as on devices (benchmarks/bench_own_step.py).\n\n"
         + table(header, rows)
         + "\n"
+        + (_PER_ROW + table(against, alone) + "\n" if alone else "")
     )
+
+
+_PER_ROW = (
+    "`dpsgd` maps each row's gradient with `tf.vectorized_map`: kmirror maps each replica's rows "
+    "and joins the per-row gradients, so every replica holds the whole batch's (its memory above "
+    "native's, which holds its rows' only). Against one device:\n\n"
+)
 
 
 def real_models(results: dict) -> str:

@@ -44,8 +44,11 @@ JOBS = (
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom[04_multi_worker.ipynb]",
     "tests/test_docs.py::test_every_public_name_has_a_runnable_example",
 )
-#: Groups handed out first, costliest first (the others follow in the order collected).
+#: Groups handed out first, costliest first (the others follow in the order collected). The
+#: test of what stays alive after a model goes scans every object of its process: run early,
+#: while a test process holds few (3 s, against 177 s after most of the suite).
 FIRST = (
+    "tests/test_tracing.py",
     "horovod jobs",
     "ring jobs",
     "deep DenseNet121",

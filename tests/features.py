@@ -15,6 +15,7 @@ import global_steps
 import gradient_steps
 import keras
 import numpy as np
+import per_row_steps
 import tensorflow as tf
 from keras import layers as L
 from keras import ops
@@ -586,6 +587,22 @@ FEATURES = {
         global_steps.unlabelled,
         tolerance=1e-10,
         floatx="float64",
+    ),
+    **{
+        f"own_step_per_row_{name}": Feature(
+            getattr(per_row_steps, name), global_steps.labelled, tolerance=1e-10, floatx="float64"
+        )
+        for name in ("vectorized", "compiled", "mapped", "jacobian")
+    },
+    "own_step_per_row_microbatched": Feature(
+        per_row_steps.microbatched,
+        per_row_steps.grouped,
+        batch_size=per_row_steps.GROUPED_BATCH,
+        tolerance=1e-10,
+        floatx="float64",
+    ),
+    "own_step_carried_loop": Feature(
+        per_row_steps.carried, global_steps.labelled, tolerance=1e-10, floatx="float64"
     ),
     "own_step_two_optimizers": Feature(
         gradient_steps.two_optimizers,

@@ -21,7 +21,7 @@ LAYERS = [
     + ["keras_hooks.moves", "keras_hooks.batch_sums", "keras_hooks.explaining"]
     + ["keras_hooks.reductions"]
     + ["keras_hooks.by_place", "keras_hooks.mixing", "keras_hooks.other_ops"]
-    + ["keras_hooks.whole_calls", "keras_hooks.call_results"]
+    + ["keras_hooks.whole_calls", "keras_hooks.call_results", "keras_hooks.row_maps"]
     + ["keras_hooks.containers"]
     + ["keras_hooks.call_state", "keras_hooks.calls"]
     + ["launching", "launching.rendezvous", "launching.supervisor", "launching.hosts"]

@@ -2,8 +2,10 @@
 are (their training is in the exactness matrix, tests/features.py); here: their own test_step and
 predict_step, and leaving kmirror with them."""
 
+import global_steps
 import keras
 import numpy as np
+import per_row_steps
 import pytest
 import tensorflow as tf
 from conftest import cpus
@@ -11,6 +13,7 @@ from features import FEATURES, fit
 from keras import ops
 from models import assert_same_history, dense_data
 from own_steps import GAN, gan, guide_step, images, own_evaluation
+from real_models import precision
 
 import kmirror
 from kmirror._core import draws
@@ -128,7 +131,55 @@ def test_a_gradient_taken_inside_a_condition_is_refused_with_the_fix():
     )
     wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
     x, y = dense_data()
-    with pytest.raises(ValueError, match="gradient of its weights inside a condition.*top level"):
+    where = "inside the function graph 'cond_true.*recorded layer calls.*top level of the step"
+    with pytest.raises(ValueError, match=where):
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+
+
+def test_a_map_over_the_rows_runs_on_each_replicas_rows_and_a_loop_runs_whole():
+    """`tf.vectorized_map` over the batch's rows runs on each replica's rows (its results
+    joined, tests/per_row_steps.py proves them one device's); a layer called inside a function
+    of the step's own (the mapped function, a `tf.map_fn`'s body) runs as one device calls it."""
+    x, y, _ = global_steps.labelled()
+    with precision("float64"):
+        mapped = kmirror.wrap(per_row_steps.vectorized(), devices=cpus(3))
+        report = mapped.explain(x, y, batch_size=33)
+        assert report.split == ["row (tf.vectorized_map)"]
+        assert [why for _, why in report.whole] == [
+            "it is called inside a function mapped over rows (`tf.vectorized_map`, a Jacobian), "
+            "where no sum over the replicas runs"
+        ]
+        looped = kmirror.wrap(per_row_steps.mapped(), devices=cpus(3))
+        report = looped.explain(x, y, batch_size=33)
+        assert report.split == []
+        assert "inside the function graph 'map_while_body" in report.whole[0][1]
+
+
+def test_a_jacobian_with_respect_to_a_tensor_through_split_calls_is_refused_with_the_fix():
+    """A Jacobian of weights is summed over the replicas (tests/per_row_steps.py); one with
+    respect to a tensor the replicas' calls computed on their rows is refused, naming the fix."""
+
+    class InputJacobian(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+                rows = self(x, training=True) ** 2
+            per_row = tape.batch_jacobian(rows, x)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss, "slope": ops.mean(per_row)}
+
+    model = InputJacobian([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    wrapped = kmirror.wrap(model, reducer="hierarchical_copy", devices=cpus(2))
+    x, y = dense_data()
+    with pytest.raises(
+        ValueError, match="batch_jacobian. with respect to a tensor.*vectorized_map"
+    ):
         wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
 
 

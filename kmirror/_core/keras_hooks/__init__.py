@@ -74,6 +74,7 @@ from kmirror._core.keras_hooks.overrides import (  # noqa: E402
 from kmirror._core.keras_hooks.own_thread import (  # noqa: E402
     OwnStep,
     current_step,
+    in_function,
     inside_layer_call,
 )
 from kmirror._core.keras_hooks.provenance import Provenance  # noqa: E402
@@ -117,6 +118,7 @@ __all__ = [
     "Provenance",
     "splitting",
     "current_step",
+    "in_function",
     "inside_layer_call",
     "settle",
     "current",

@@ -4,8 +4,11 @@
 layer's call: `self.generator(noise)`, `self(x, training=True)`) run on this replica's rows of
 those of its inputs that are rows of the batch (`provenance`: computed from it; what the model
 holds is taken whole), and return the whole batch's output (`_core.global_batch`); a call on none
-of the batch's rows runs whole, as the step does. What the call's layers keep in Python (the
-losses they add, tensors set on them) is the replica's own (`call_state`). Inside such a call, Keras
+of the batch's rows runs whole, as the step does, and so does a call inside a function of the
+step's own (a function it maps over rows, a loop's body, a condition's branch, a nested
+`tf.function`: `own_thread.in_function`), where no sum over the replicas can run. What the
+call's layers keep in Python (the losses they add, tensors set on them) is the replica's own
+(`call_state`). Inside such a call, Keras
 decides BatchNormalization's statistics and random draws over the call's whole batch, as in
 kmirror's own step (`replica`), and the state the call writes is recorded for its combination
 over the replicas (`OwnStep.recording`). Outside the calls the step computes as one device on the
@@ -36,14 +39,16 @@ from kmirror._core.keras_hooks import (
     mixing,
     other_ops,
     reductions,
+    row_maps,
     whole_calls,
     writes,
 )
-from kmirror._core.keras_hooks.own_thread import OwnStep, current_step
+from kmirror._core.keras_hooks.own_thread import OwnStep, current_step, in_function, per_row
 from kmirror._core.keras_hooks.own_thread import state as _state
 from kmirror._core.keras_hooks.replica import current
 from kmirror._core.keras_hooks.replica import replica as replica_rows
 from kmirror._core.keras_hooks.rows import Rows
+from kmirror._core.tf_hooks import graphs
 
 __all__ = ["splitting", "replica"]
 
@@ -59,6 +64,7 @@ def splitting(own: OwnStep) -> Iterator[None]:
     _install()
     previous = current_step(), getattr(_state, "inside", False)
     _state.step, _state.inside = own, False
+    own.graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     whole = Rows(start=0, count=0, total=0, all_sum=own.all_sum, whole=True)
     try:
         with replica_rows(whole):
@@ -96,6 +102,10 @@ def _call(layer, *args, **kwargs):
         explaining.split(layer)
         with reductions.over_rows(layer, seeds, rows):
             return _on_rows(layer, args, kwargs)
+    where = in_function()
+    if where is not None:  # a function of the step's own: one device's call, on every replica
+        explaining.whole(layer, f"it is called inside {where}, where no sum over the replicas runs")
+        return _whole(own, layer, args, kwargs)
     batched = [t for t in tf.nest.flatten((args, kwargs)) if _batched(t)]
     known = [own.provenance.of_batch(t) for t in batched]
     # In eager mode no graph says which tensors are rows, or what the call computes over them:
@@ -105,6 +115,7 @@ def _call(layer, *args, **kwargs):
         explaining.whole(layer, _EAGER if None in known else _NOT_ROWS)
         return _whole(own, layer, args, kwargs)
     explaining.split(layer)
+    own.split_calls += 1
     reference = next(_tensor(t) for t in batched if id(t) in of_batch)  # the call's rows
     split = Split.of(reference, own.index, own.replicas, own.all_gather, own.all_sum)
     rows_taken = set()  # the inputs taken as the replica's rows (not whole)
@@ -221,6 +232,8 @@ def _install() -> None:
         if not _original:
             _original["__call__"] = Layer.__call__
             Layer.__call__ = _call
+            graphs.watch_per_row_functions(per_row)
     call_state.install()
     mixing.install()
     other_ops.install()
+    row_maps.install()

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Explanation", "recording", "split", "whole", "summed"]
+__all__ = ["Explanation", "recording", "split", "mapped", "whole", "summed"]
 
 
 @dataclass
@@ -22,7 +22,8 @@ class Explanation:
 
     Attributes:
         split: the layer calls computed on each replica's rows of the batch, as
-            `"name (Class)"`, in the order they ran (a call inside them is theirs).
+            `"name (Class)"`, in the order they ran (a call inside them is theirs), and the
+            functions an own step maps over them, as `"function (tf.vectorized_map)"`.
         whole: `(layer, why)` for each call computed on the whole batch by every replica.
         sums: the reductions over the rows made sums over the replicas, by the layer whose
             call made them (`{"name (Class)": count}`): each is one collective per step
@@ -88,6 +89,13 @@ def split(layer) -> None:
     """`layer`'s call runs on the replica's rows."""
     if (mine := _mine()) is not None:
         mine.split.append(_named(layer))
+
+
+def mapped(function: str) -> None:
+    """A function the step maps over the batch's rows (`tf.vectorized_map`) runs on the
+    replica's rows."""
+    if (mine := _mine()) is not None:
+        mine.split.append(f"{function} (tf.vectorized_map)")
 
 
 def whole(layer, why: str) -> None:

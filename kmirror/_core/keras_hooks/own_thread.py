@@ -1,18 +1,20 @@
 """The own step running on this thread (tf.distribute runs each replica in a thread of its own):
-what the replica's layer calls read and leave behind while it runs (`calls`, `call_state`)."""
+what the replica's layer calls read and leave behind while it runs (`calls`, `call_state`), and
+whether the step is inside a function it maps over the rows (`per_row`), where it computes as one
+device, with no sum over the replicas."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import tensorflow as tf
 
 from kmirror._core.keras_hooks.provenance import Provenance
 
-__all__ = ["OwnStep", "state", "current_step", "inside_layer_call"]
+__all__ = ["OwnStep", "state", "current_step", "inside_layer_call", "per_row", "in_function"]
 
 
 @dataclass
@@ -52,6 +54,13 @@ class OwnStep:
     #: (`id(container)`: `(container, copy)`), and the tensors (by `id`) a call put in them.
     shadows: dict = field(default_factory=dict)
     put_in_call: set = field(default_factory=set)
+    #: The graph the step is traced in (None when it runs eagerly): a graph made inside it is a
+    #: function of the step (a loop's body, a condition's branch, a nested `tf.function`).
+    graph: object = None
+    #: The calls made on the replica's rows so far, and when each tape the step entered began
+    #: and stopped recording (`id(tape)`: `[tape, calls before, calls by its end or None]`).
+    split_calls: int = 0
+    tapes: dict = field(default_factory=dict)
 
 
 state = threading.local()  # `step`: the OwnStep; `inside`: in one of its layer calls
@@ -65,3 +74,32 @@ def current_step() -> OwnStep | None:
 def inside_layer_call() -> bool:
     """Whether this thread runs inside a layer call of an own step (on the replica's rows)."""
     return getattr(state, "inside", False)
+
+
+@contextlib.contextmanager
+def per_row() -> Iterator[None]:
+    """A function the step maps over rows is traced within this block (`tf.vectorized_map`'s,
+    a Jacobian's: TensorFlow traces it once, in the step's graph, and makes every row's ops from
+    it)."""
+    state.per_row = getattr(state, "per_row", 0) + 1
+    try:
+        yield
+    finally:
+        state.per_row -= 1
+
+
+def in_function() -> str | None:
+    """Where the own step on this thread is, outside its layer calls, when it is inside a
+    function of its own: a function mapped over rows (`per_row`) or a graph made inside the
+    step's (a loop's body, a condition's branch, a nested `tf.function`), by its name; else
+    None. No sum over the replicas can run there, and none is needed: the step computes there
+    as one device."""
+    own = current_step()
+    if own is None or inside_layer_call():
+        return None
+    if getattr(state, "per_row", 0):
+        return "a function mapped over rows (`tf.vectorized_map`, a Jacobian)"
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    return None if graph is own.graph else f"the function graph {graph.name!r}"

@@ -12,6 +12,10 @@ TensorFlow has no public API for these things kmirror needs:
   of a layer call that no function above makes (`keras_hooks.other_ops`);
 - the function graphs a loop or a condition runs (`branch_outputs`), to follow the rows of a
   layer call through them (`keras_hooks.nested`);
+- the function TensorFlow's vectorized maps trace for one index (`watch_per_row_functions`:
+  `tf.vectorized_map`, `keras.ops.vectorized_map`, `GradientTape.jacobian` and `batch_jacobian`
+  all end in `parallel_for.control_flow_ops.pfor`, which traces it in the graph around it), so
+  that a model's own step computes there as one device (`keras_hooks.own_thread.per_row`);
 - the gradient registry's custom gradients (`custom_gradients`), which a traced step's
   `tf.custom_gradient`s leave there, keeping the step's graph alive until released
   (`release_custom_gradients`).
@@ -21,6 +25,7 @@ Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from kmirror import versions
@@ -35,9 +40,10 @@ from tensorflow.python.ops import (  # noqa: E402
     gen_math_ops,
     gen_nn_ops,
 )
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops  # noqa: E402
 
 __all__ = ["reduction_functions", "mixing_functions", "watch_ops", "branch_outputs"]
-__all__ += ["custom_gradients", "release_custom_gradients"]
+__all__ += ["custom_gradients", "release_custom_gradients", "watch_per_row_functions"]
 
 
 def custom_gradients() -> set[str]:
@@ -113,3 +119,28 @@ def watch_ops(check: Callable) -> None:
         return original(graph, op_type, inputs, *args, **kwargs)
 
     tf_ops.Graph._create_op_internal = create
+
+
+def watch_per_row_functions(marked: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Traces the function every vectorized map of TensorFlow computes for one index inside
+    `marked()`: `pfor(loop_fn, iters)` calls `loop_fn(index)` (or `loop_fn(index, pfor_config)`,
+    as its `_loop_fn_has_config` tells) once, and makes every index's ops from the
+    ops it made."""
+    original = pfor_ops.pfor
+
+    def pfor(loop_fn, iters, *args, **kwargs):
+        if pfor_ops._loop_fn_has_config(loop_fn):
+
+            def traced(index, pfor_config):
+                with marked():
+                    return loop_fn(index, pfor_config=pfor_config)
+
+        else:
+
+            def traced(index):
+                with marked():
+                    return loop_fn(index)
+
+        return original(traced, iters, *args, **kwargs)
+
+    pfor_ops.pfor = pfor
