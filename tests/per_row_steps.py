@@ -50,6 +50,13 @@ class Private(keras.Sequential):
         """Each row's (or group's) gradient of its loss, stacked, and the losses."""
         raise NotImplementedError
 
+    def _row(self, pair, weights):
+        """One row's gradient of its loss, under a tape of its own, and the loss."""
+        xi, yi = pair
+        with tf.GradientTape() as tape:
+            loss = self._loss(xi[None], yi[None])[0]
+        return tape.gradient(loss, weights), loss
+
     def train_step(self, data):
         x, y = data
         weights = self.trainable_variables
@@ -76,10 +83,7 @@ class Private(keras.Sequential):
 class Vectorized(Private):
     def per_row(self, x, y, weights):
         def row(pair):
-            xi, yi = pair
-            with tf.GradientTape() as tape:
-                loss = self._loss(xi[None], yi[None])[0]
-            return tape.gradient(loss, weights), loss
+            return self._row(pair, weights)
 
         return tf.vectorized_map(row, (x, y))
 
@@ -101,13 +105,11 @@ class Compiled(Vectorized):
 
 class Mapped(Private):
     def per_row(self, x, y, weights):
-        def row(pair):
-            xi, yi = pair
-            with tf.GradientTape() as tape:
-                loss = self._loss(xi[None], yi[None])[0]
-            return tape.gradient(loss, weights), loss
-
         signature = ([tf.TensorSpec(w.shape, FLOATX) for w in weights], tf.TensorSpec((), FLOATX))
+
+        def row(pair):
+            return self._row(pair, weights)
+
         return tf.map_fn(row, (x, y), fn_output_signature=signature)
 
 
