@@ -17,6 +17,9 @@ the per-row gradients are made:
 - `microbatched`: rows grouped in fours (`tf.reshape(x, [-1, 4, d])`), each group's gradient by
   `keras.ops.vectorized_map` (trained on `grouped`: batches whose row counts divide by 4).
 
+`tracked` is `vectorized` whose mapped function also updates a metric with its row's gradient norm
+(state written with a value of the row: TensorFlow writes it once, with the first row's).
+
 `carried` is a step whose loop (`tf.while_loop`) carries a state from row to row: a cell called
 on each row and the state the previous row left, its outputs stacked and read by a head called on
 them all, the gradient taken outside the loop.
@@ -88,6 +91,19 @@ class Vectorized(Private):
         return tf.vectorized_map(row, (x, y))
 
 
+class Tracked(Vectorized):
+    """The mapped function updates a metric with its row's gradient norm."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.row_norm = keras.metrics.Mean(name="row_norm", dtype=FLOATX)
+
+    def _row(self, pair, weights):
+        grads, loss = super()._row(pair, weights)
+        self.row_norm.update_state(tf.linalg.global_norm(grads))
+        return grads, loss
+
+
 class Compiled(Vectorized):
     """The per-row gradients in a nested `tf.function` compiled with XLA (TensorFlow Privacy's
     default)."""
@@ -148,6 +164,10 @@ def vectorized():
 
 def mapped():
     return _private(Mapped)
+
+
+def tracked():
+    return _private(Tracked)
 
 
 def compiled():

@@ -16,7 +16,7 @@ from own_steps import GAN, gan, guide_step, images, own_evaluation
 from real_models import precision
 
 import kmirror
-from kmirror._core import draws
+from kmirror._core import draws, keras_hooks
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -153,6 +153,26 @@ def test_a_map_over_the_rows_runs_on_each_replicas_rows_and_a_loop_runs_whole():
         report = looped.explain(x, y, batch_size=33)
         assert report.split == []
         assert "inside the function graph 'map_while_body" in report.whole[0][1]
+
+
+def test_a_map_writing_state_with_its_rows_values_runs_whole_and_every_copy_is_one_devices():
+    """A mapped function updating a metric with a value of its row: TensorFlow writes it once,
+    with the first row's value; every replica's copy of the metric holds one device's."""
+    x, y, _ = global_steps.labelled()
+    with precision("float64"):
+        expected = per_row_steps.tracked()
+        expected.fit(x, y, batch_size=33, epochs=2, shuffle=False, verbose=0)
+        model = kmirror.wrap(per_row_steps.tracked(), devices=cpus(3))
+        report = model.explain(x, y, batch_size=33)
+        assert report.split == []
+        assert report.whole[0][0] == "row (tf.vectorized_map)"
+        assert "writes state held outside it (AssignVariableOp)" in report.whole[0][1]
+        model.fit(x, y, batch_size=33, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    for variable, want in zip(model.row_norm.variables, expected.row_norm.variables):
+        for copy in model._reducer.local_values(keras_hooks.storage(variable)):
+            np.testing.assert_allclose(copy.numpy(), want.numpy(), rtol=0, atol=1e-10)
 
 
 def test_a_jacobian_with_respect_to_a_tensor_through_split_calls_is_refused_with_the_fix():

@@ -13,7 +13,17 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["Explanation", "recording", "split", "mapped", "whole", "summed"]
+__all__ = [
+    "Explanation",
+    "recording",
+    "split",
+    "mapped",
+    "mapped_whole",
+    "whole",
+    "summed",
+    "attempt",
+    "unrecorded",
+]
 
 
 @dataclass
@@ -24,7 +34,8 @@ class Explanation:
         split: the layer calls computed on each replica's rows of the batch, as
             `"name (Class)"`, in the order they ran (a call inside them is theirs), and the
             functions an own step maps over them, as `"function (tf.vectorized_map)"`.
-        whole: `(layer, why)` for each call computed on the whole batch by every replica.
+        whole: `(layer, why)` for each call computed on the whole batch by every replica (and
+            each mapped function run over every row, as `"function (tf.vectorized_map)"`).
         sums: the reductions over the rows made sums over the replicas, by the layer whose
             call made them (`{"name (Class)": count}`): each is one collective per step
             (BatchNormalization makes two per call in training: the mean and the variance).
@@ -98,6 +109,12 @@ def mapped(function: str) -> None:
         mine.split.append(f"{function} (tf.vectorized_map)")
 
 
+def mapped_whole(function: str, why: str) -> None:
+    """A function the step maps over the batch's rows runs on every row on every replica."""
+    if (mine := _mine()) is not None:
+        mine.whole.append((f"{function} (tf.vectorized_map)", why))
+
+
 def whole(layer, why: str) -> None:
     """`layer`'s call runs on the whole batch on every replica, because of `why`."""
     if (mine := _mine()) is not None:
@@ -115,12 +132,33 @@ def summed(layer) -> None:
 def attempt() -> Iterator[None]:
     """A call tried on the replica's rows: what it recorded is dropped where it raises (it runs
     again on the whole batch, and the graph of the attempt is left unused)."""
+    with _kept_back(always=False):
+        yield
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """What is traced within this block is not the step's (a function traced to be looked at,
+    never run): nothing it records is kept."""
+    with _kept_back(always=True):
+        yield
+
+
+@contextlib.contextmanager
+def _kept_back(always: bool) -> Iterator[None]:
+    """What the block records is dropped when it ends (`always`) or where it raises."""
     mine = _mine()
     before = None if mine is None else (len(mine.split), len(mine.whole), dict(mine.sums))
     try:
         yield
     except BaseException:
-        if mine is not None:
-            del mine.split[before[0] :], mine.whole[before[1] :]
-            mine.sums = before[2]
+        _restore(mine, before)
         raise
+    if always:
+        _restore(mine, before)
+
+
+def _restore(mine: Explanation | None, before: tuple | None) -> None:
+    if mine is not None:
+        del mine.split[before[0] :], mine.whole[before[1] :]
+        mine.sums = before[2]

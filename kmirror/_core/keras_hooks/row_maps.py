@@ -13,8 +13,13 @@ row's. Going backward through the joined results, the gradients are the replica'
 times, summed over the replicas where the step asks for a gradient of its weights), as they are
 through a layer call.
 
-A map over values that are not rows of the batch (the model's own), and any map in eager mode,
-inside a layer call or inside a function of the step's, runs as TensorFlow runs it: whole.
+A map whose function writes state held outside it (a variable, a metric) with a value computed
+from its row runs whole on every replica too (`_written_per_row`): TensorFlow runs such a write
+once, with the first row's value, so split, each replica would write its own first row's. A write
+of the same value for every row (a seed generator's advance, for dropout in the function) keeps
+the map split. A map over values that are not rows of the batch (the model's own), and any map in
+eager mode, inside a layer call or inside a function of the step's, runs as TensorFlow runs it:
+whole.
 """
 
 from __future__ import annotations
@@ -26,9 +31,18 @@ import tensorflow as tf
 
 from kmirror._core.global_batch import Split
 from kmirror._core.keras_hooks import explaining
-from kmirror._core.keras_hooks.own_thread import current_step, in_function, inside_layer_call
+from kmirror._core.keras_hooks.own_thread import (
+    current_step,
+    in_function,
+    inside_layer_call,
+    per_row,
+)
 
 __all__ = ["install"]
+
+#: The ops that read a variable: the only ops taking state held outside a function that a
+#: function mapped over rows may give a value of its row and still be split.
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"})
 
 _original: dict[str, Callable] = {}
 _install_lock = threading.Lock()
@@ -43,6 +57,7 @@ def install() -> None:
             tf.vectorized_map = _vectorized_map
 
 
+@tf.autograph.experimental.do_not_convert
 def _vectorized_map(fn, elems, *args, **kwargs):
     original = _original["vectorized_map"]
     own = current_step()
@@ -51,8 +66,41 @@ def _vectorized_map(fn, elems, *args, **kwargs):
     tensors = [tf.convert_to_tensor(t) for t in tf.nest.flatten(elems)]
     if not tensors or not all(own.provenance.of_batch(t) for t in tensors):
         return original(fn, elems, *args, **kwargs)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    written = _written_per_row(fn, elems, tensors)
+    if written is not None:
+        explaining.mapped_whole(
+            name,
+            f"its function writes state held outside it ({written}) with a value of its row, "
+            "which TensorFlow writes once, with the first row's",
+        )
+        return original(fn, elems, *args, **kwargs)
     split = Split.of(tensors[0], own.index, own.replicas, own.all_gather, own.all_sum)
-    explaining.mapped(getattr(fn, "__name__", type(fn).__name__))
+    explaining.mapped(name)
     own.split_calls += 1
     rows = tf.nest.pack_sequence_as(elems, [split.rows(t) for t in tensors])
     return tf.nest.map_structure(split.joined, original(fn, rows, *args, **kwargs))
+
+
+def _written_per_row(fn, elems, tensors: list) -> str | None:
+    """The type of the first op through which `fn`, traced for one row of `elems` (in a function
+    looked at, never run), gives state held outside it (a captured resource: a variable) a
+    value that depends on the row, other than by reading it; None if there is none. An op that
+    runs functions of its own (a loop, a condition, a call) with such state and the row's
+    values is taken to write it."""
+    specs = [tf.TensorSpec(t.shape[1:], t.dtype) for t in tensors]
+
+    def one_row(*row):
+        return fn(tf.nest.pack_sequence_as(elems, list(row)))
+
+    with per_row(), explaining.unrecorded():
+        graph = tf.function(one_row).get_concrete_function(*specs).graph
+    of_row = {id(t) for t in graph.inputs[: len(specs)]}
+    for op in graph.get_operations():
+        if not any(id(t) in of_row for t in op.inputs):
+            continue
+        held = [t for t in op.inputs if t.dtype == tf.resource and t.op.type == "Placeholder"]
+        if held and op.type not in _READS and op.op_def.is_stateful:
+            return op.type
+        of_row.update(id(t) for t in op.outputs)
+    return None
