@@ -16,6 +16,7 @@ import gradient_steps
 import keras
 import numpy as np
 import per_row_steps
+import state_steps
 import tensorflow as tf
 from keras import layers as L
 from keras import ops
@@ -604,6 +605,18 @@ FEATURES = {
     "own_step_carried_loop": Feature(
         per_row_steps.carried, global_steps.labelled, tolerance=1e-10, floatx="float64"
     ),
+    **{
+        f"state_{name}": Feature(
+            getattr(state_steps, name), global_steps.labelled, tolerance=1e-10, floatx="float64"
+        )
+        for name in (
+            "lookahead",
+            "lookahead_own_step",
+            "raw_buffers",
+            "noisy_gradients",
+            "added_loss",
+        )
+    },
     "own_step_two_optimizers": Feature(
         gradient_steps.two_optimizers,
         global_steps.unlabelled,
@@ -645,14 +658,28 @@ TRANSFORMER_VARIANTS = {
 
 
 def one_device(name: str) -> tuple[list, dict]:
-    """FEATURES[name] trained on one device: its weights and history, trained once per run."""
+    """FEATURES[name] trained on one device: its `trained_state` and history, trained once per
+    run."""
 
     def train():
         model = FEATURES[name].build()
         history = fit(model, FEATURES[name])
-        return model.get_weights(), history
+        return trained_state(model), history
 
     return shared(f"feature-{name}", train)
+
+
+def trained_state(model: keras.Model) -> list:
+    """What the matrix compares: the model's weights, then the variables of its optimizer and of
+    every optimizer that one holds (a Lookahead's inner Adam), as arrays."""
+    optimizers, pending = [], [getattr(model, "optimizer", None)]
+    while pending:
+        optimizer = pending.pop(0)
+        if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer not in optimizers:
+            optimizers.append(optimizer)
+            pending += list(vars(optimizer).values())
+    variables = [v for optimizer in optimizers for v in optimizer.variables]
+    return model.get_weights() + [np.asarray(v.numpy()) for v in variables]
 
 
 def assert_same_logs(feature: Feature, expected: dict, actual: dict) -> None:

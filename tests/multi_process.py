@@ -90,6 +90,7 @@ def assert_feature_equals_single_device(ranks, name):
     assert_equal_across_ranks(ranks, scenario)
     for rank in ranks:
         weights = Weights(rank[scenario]["weights"])
+        assert len(weights.get_weights()) == len(model.get_weights())
         assert max_weight_difference(model, weights) < FEATURES[name].tolerance
         assert_same_logs(FEATURES[name], history, rank[scenario]["history"])
 

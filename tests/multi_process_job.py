@@ -38,7 +38,7 @@ if REDUCER == "ring":
 import global_steps  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from features import FEATURES, MULTI_PROCESS, rows_seen  # noqa: E402
+from features import FEATURES, MULTI_PROCESS, rows_seen, trained_state  # noqa: E402
 from features import fit as features_fit  # noqa: E402
 from models import (  # noqa: E402
     BATCH,
@@ -267,7 +267,7 @@ def run_features(results):
         feature = FEATURES[name]
         model = kmirror.wrap(feature.build(), reducer=REDUCER)
         history = features_fit(model, feature)
-        results[f"feature {name}"] = {"weights": model.get_weights(), "history": history}
+        results[f"feature {name}"] = {"weights": trained_state(model), "history": history}
     # A weight left at aggregation "none" that the replicas write differently (their row
     # counts, 16 and 17, each computing from its own rows): every process raises, at the same step.
     x, y = dense_data()

@@ -15,7 +15,7 @@ LAYERS = [
     ["versions", "errors", "files", "devices", "tf_hooks", "tf_hooks.graphs", "keras_hooks"]
     + ["keras_hooks.replica", "keras_hooks.rows", "keras_hooks.model_state", "keras_hooks.reading"]
     + ["keras_hooks.symbolic"]
-    + ["keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
+    + ["replicas", "keras_hooks.optimizers", "keras_hooks.storage", "keras_hooks.writes"]
     + ["keras_hooks.overrides", "global_batch", "keras_hooks.provenance", "keras_hooks.own_thread"]
     + ["keras_hooks.nested", "keras_hooks.elementwise", "keras_hooks.row_axes"]
     + ["keras_hooks.moves", "keras_hooks.batch_sums", "keras_hooks.explaining"]
@@ -34,9 +34,10 @@ LAYERS = [
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],
     # The model's state on the replicas, the steps and the input they take.
-    ["mirroring", "feed.sharding", "feed.py_datasets", "feed.feeding", "feed.placement", "logged"]
+    ["holding", "mirroring", "feed.sharding", "feed.py_datasets", "feed.feeding", "feed.placement"]
+    + ["logged"]
     + ["layer_state"]
-    + ["accumulation", "own_gradients", "step", "own_step", "tracing"],
+    + ["accumulation", "own_gradients", "reached_state", "step", "own_step", "tracing"],
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["_core.callbacks", "_core.callbacks.backup_folder", "_core.callbacks.backup"]
     + ["_core.callbacks.checkpoint"]

@@ -36,7 +36,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from kmirror._core import keras_hooks, tf_hooks
+from kmirror._core import holding, keras_hooks, replicas, tf_hooks
 from kmirror.reducers.base import Reducer
 
 __all__ = ["Mirror", "is_wrapped", "optimizers", "state"]
@@ -54,7 +54,11 @@ class Mirror:
         #: its stand-in); and (holder, key, the user's) for each place a stand-in was put.
         self._stand_ins: dict[int, tuple] = {}
         self._raw: list[tuple] = []
+        #: The Keras variables a traced step writes that no walk of the model found
+        #: (`adopt_written`), mirrored as the model's own.
+        self._written: list = []
         tf_hooks.read_as_numbers()  # a mirrored variable reads as a number, as on one device
+        replicas.register(reducer.strategy)
 
     def scope(self) -> contextlib.AbstractContextManager:
         """Variables made in this scope are mirrored on every replica."""
@@ -102,7 +106,7 @@ class Mirror:
         """Puts a mirrored `tf.Variable` wherever `model` holds a raw one of its own (Keras may
         hold it in a dict of its own too): one stand-in per variable, in every place."""
         strategy, made = self._reducer.strategy, 0
-        for holder, key, variable in _held(model):
+        for holder, key, variable in holding.held(model):
             owner = tf_hooks.strategy_of(variable)
             if owner is strategy or isinstance(variable, keras.Variable):
                 continue
@@ -116,20 +120,32 @@ class Mirror:
                 )
             if id(variable) not in self._stand_ins:
                 with self.scope():
-                    self._stand_ins[id(variable)] = (
-                        variable,
-                        tf.Variable(
-                            variable.read_value(),
-                            trainable=variable.trainable,
-                            name=variable.name.split(":")[0],
-                            dtype=variable.dtype,
-                            shape=variable.shape,
-                        ),
-                    )
+                    self._stand_ins[id(variable)] = (variable, holding.stand_in(variable))
                 made += 1
-            _put(holder, key, self._stand_ins[id(variable)][1])
+            holding.put(holder, key, self._stand_ins[id(variable)][1])
             self._raw.append((holder, key, variable))
         return made
+
+    def adopt_written(self, handles: list) -> None:
+        """Mirrors the variables behind `handles`, which a traced step writes and no walk found
+        (`_core.reached_state`): a Keras variable gets mirrored storage, a raw `tf.Variable` a
+        mirrored stand-in wherever it is held; each is single-device again at `unmirror`."""
+        for handle in handles:
+            variable = holding.variable_of(handle)
+            owner = None if variable is None else holding.keras_owner(variable)
+            if owner is not None:
+                with self.scope():
+                    keras_hooks.store(owner, variable.read_value())
+                self._written.append(owner)
+                continue
+            holders = holding.replaceable(variable)
+            with self.scope():
+                self._stand_ins[id(variable)] = (variable, holding.stand_in(variable))
+            for holder, key in holders:
+                holding.put(holder, key, self._stand_ins[id(variable)][1])
+                self._raw.append((holder, key, variable))
+        for optimizer in list(self._optimizers):
+            keras_hooks.reindex(optimizer)
 
     def train(self, optimizer) -> None:
         """`optimizer` applies each replica's summed gradient on the replica, and builds its
@@ -138,12 +154,25 @@ class Mirror:
         self._optimizers.add(optimizer)
 
     def build_optimizer(self, optimizer, variables: list) -> None:
-        """Builds `optimizer` for `variables`, its variables mirrored (once)."""
+        """Builds `optimizer` for `variables`, its variables mirrored (once).
+
+        Keras' own optimizers are built in the replicas' scope, as Keras builds them under a
+        strategy. An optimizer of the user's is built as one device builds it: in its first
+        update's trace (where Keras builds an optimizer when no strategy is set), with what it
+        makes there (another optimizer it holds, built there too), traced and never run; what
+        it made is mirrored afterwards (`mirror`), as the model's own state is."""
         if optimizer is None or optimizer.built:
             return
         self.train(optimizer)
-        with self.scope():
-            optimizer.build(variables)
+        if not type(optimizer).__module__.startswith("keras."):
+            specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+            with keras_hooks.building():
+                tf.function(
+                    lambda grads: optimizer.apply(grads, variables), autograph=False
+                ).get_concrete_function(specs)
+        if not optimizer.built:
+            with self.scope():
+                optimizer.build(variables)
 
     def unmirror(self, model: keras.Model) -> None:
         """Gives every mirrored variable of `model`'s state single-device storage again, holding
@@ -153,10 +182,15 @@ class Mirror:
             stored = keras_hooks.storage(variable)
             if stored is not None and tf_hooks.strategy_of(stored) is strategy:
                 keras_hooks.store(variable, stored.read_value())
+        for variable in self._written:
+            stored = keras_hooks.storage(variable)
+            if tf_hooks.strategy_of(stored) is strategy:
+                keras_hooks.store(variable, stored.read_value())
+        self._written.clear()
         for variable, mirrored in self._stand_ins.values():
             variable.assign(mirrored.read_value())
         for holder, key, variable in self._raw:
-            _put(holder, key, variable)
+            holding.put(holder, key, variable)
         self._stand_ins.clear()
         self._raw.clear()
         for optimizer in list(self._optimizers):
@@ -185,6 +219,8 @@ def optimizers(model: keras.Model) -> list:
         if isinstance(value, keras.optimizers.Optimizer):
             if value not in found:
                 found.append(value)
+            for item in vars(value).values():  # an optimizer it holds (a Lookahead's inner)
+                visit(item)
         elif isinstance(value, list | tuple | set):
             for item in value:
                 visit(item)
@@ -199,52 +235,16 @@ def optimizers(model: keras.Model) -> list:
 
 def state(model: keras.Model) -> list:
     """Every variable training `model` reads or writes: its weights and random generators' states,
-    its optimizers' and its metrics' variables, the Keras variables a layer holds untracked."""
+    its optimizers' and its metrics' variables, the Keras variables a layer holds untracked (a
+    raw `tf.Variable` an optimizer tracks is not one: a step writing it mirrors it,
+    `Mirror.adopt_written`)."""
     found, seen = [], set()
     groups = [model.variables, *(o.variables for o in optimizers(model))]
     groups += [metric.variables for metric in model.metrics]
-    groups.append([v for _, _, v in _held(model) if isinstance(v, keras.Variable)])
+    groups.append([v for _, _, v in holding.held(model) if isinstance(v, keras.Variable)])
     for group in groups:
         for variable in group:
-            if id(variable) not in seen:
+            if isinstance(variable, keras.Variable) and id(variable) not in seen:
                 seen.add(id(variable))
                 found.append(variable)
     return found
-
-
-def _held(model: keras.Model) -> list[tuple]:
-    """(holder, key, variable) for each Keras variable or raw `tf.Variable` (not a Keras variable's
-    storage) `model` or a layer in it holds, outside optimizers and metrics: as an attribute
-    (`holder` the layer, `key` its name), or in a list, tuple or dict (`key` its index or key)."""
-    found, seen = [], set()
-
-    def visit(holder, key, value) -> None:
-        if isinstance(value, keras.optimizers.Optimizer | keras.metrics.Metric):
-            return
-        if isinstance(value, keras.Variable | tf.Variable):
-            found.append((holder, key, value))
-            return
-        if id(value) in seen:
-            return
-        if isinstance(value, keras.layers.Layer):
-            seen.add(id(value))
-            for name, item in list(vars(value).items()):
-                visit(value, name, item)
-        elif isinstance(value, list | tuple):
-            seen.add(id(value))
-            for index, item in enumerate(value):
-                visit(value, index, item)
-        elif isinstance(value, dict):
-            seen.add(id(value))
-            for name, item in list(value.items()):
-                visit(value, name, item)
-
-    visit(None, None, model)
-    return found
-
-
-def _put(holder, key, value) -> None:
-    if isinstance(holder, keras.layers.Layer):
-        setattr(holder, key, value)
-    else:
-        holder[key] = value

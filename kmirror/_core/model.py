@@ -35,6 +35,7 @@ from kmirror._core import (
     logged,
     mirroring,
     own_step,
+    reached_state,
     step,
     tracing,
 )
@@ -93,6 +94,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         self._model = model  # tracked by Keras as this model's one layer
         self._reducer = reducer
         self._mirror = mirroring.Mirror(reducer)
+        reached_state.install()
         self._sync_batch_norm = bool(sync_batch_norm)
         if prefetch is None:
             prefetch = any(
@@ -382,8 +384,10 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             super().make_train_function(force=True)
             if self._one_call_per_step(training=True):
                 self.train_function = step.one_call_per_step(
-                    self.train_step, self.steps_per_execution, self.run_eagerly
+                    self.train_step, self.steps_per_execution, self.run_eagerly, self._retrying
                 )
+            else:
+                self.train_function = self._retrying(self.train_function)
         self._chief.ensure()
         return self.train_function
 
@@ -392,15 +396,24 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             super().make_test_function(force=True)
             if self._one_call_per_step():
                 self.test_function = step.one_call_per_step(
-                    self.test_step, self.steps_per_execution, self.run_eagerly
+                    self.test_step, self.steps_per_execution, self.run_eagerly, self._retrying
                 )
+            else:
+                self.test_function = self._retrying(self.test_function)
         self._chief.ensure()
         return self.test_function
 
     def make_predict_function(self, force=False):
-        function = super().make_predict_function(force)
+        if force or self.predict_function is None:
+            super().make_predict_function(force=True)
+            self.predict_function = self._retrying(self.predict_function)
         self._chief.ensure()
-        return function
+        return self.predict_function
+
+    def _retrying(self, function):
+        """`function`, which mirrors the state its trace finds it writes unmirrored and traces
+        again (`_core.reached_state`)."""
+        return reached_state.retrying(function, self._mirror.adopt_written)
 
     def _one_call_per_step(self, training: bool = False) -> bool:
         if training and self._fit is not None and self._fit.draws_in_python:

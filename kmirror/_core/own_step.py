@@ -88,7 +88,8 @@ def build_as_one_device(model: keras.Model, step: str, data) -> None:
     afterwards (`_core.mirroring`), with the values one device's would have. It is traced as
     Keras traces a step, without autograph.
     """
-    tf.function(getattr(model, step), autograph=False).get_concrete_function(data)
+    with keras_hooks.building():
+        tf.function(getattr(model, step), autograph=False).get_concrete_function(data)
 
 
 def _run(

@@ -230,14 +230,14 @@ def predict(model: keras.Model, reducer: Reducer, data: Any):
     return reducer.concat(reducer.run(local_step, args=(shards,)))
 
 
-def one_call_per_step(step_fn, count: int, run_eagerly: bool):
+def one_call_per_step(step_fn, count: int, run_eagerly: bool, retrying=lambda f: f):
     """A Keras step function running up to `count` steps, each its own call of the traced step.
 
     Takes the place of Keras' loop over `steps_per_execution` steps inside one graph, for reducers
     whose collectives cannot run in that loop. Like Keras' function, it returns the last step's
-    logs and raises StopIteration when the iterator had no batch left.
+    logs and raises StopIteration when the iterator had no batch left; `retrying` wraps one step.
     """
-    one_step = step_fn if run_eagerly else tf.function(step_fn, reduce_retracing=True)
+    one_step = retrying(step_fn if run_eagerly else tf.function(step_fn, reduce_retracing=True))
 
     def function(iterator):
         outputs = None

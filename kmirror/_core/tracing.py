@@ -15,6 +15,7 @@ import functools
 import gc
 import threading
 
+from kmirror._core import reached_state
 from kmirror._core.tf_hooks import graphs
 
 __all__ = ["traced"]
@@ -37,7 +38,9 @@ def traced(step_method):
             else:
                 _steps.append(_steps[0])
         try:
-            return step_method(self, data)
+            outputs = step_method(self, data)
+            reached_state.check()  # before the step runs: state it writes, not mirrored
+            return outputs
         finally:
             with _lock:
                 before, collecting = _steps.pop()

@@ -116,7 +116,12 @@ class Collective(Reducer):
         replica = int(tf.get_static_value(ctx.replica_id_in_sync_group))
         with tf.device(local[replica % len(local)]):
             value = tf.identity(value)
-        return ctx.all_gather(value, 0, options=self.communication)
+        gathered = ctx.all_gather(value, 0, options=self.communication)
+        if value.shape.rank is None:
+            return gathered
+        # TensorFlow's gather over workers forgets every static dimension; all but the rows'
+        # are the replica's, as one device's batch has them.
+        return tf.ensure_shape(gathered, [None, *value.shape[1:]])
 
     def sum(self, per_replica):
         return self.local_values(self.run(self.all_sum, args=(per_replica,)))[0]
@@ -159,7 +164,7 @@ class CollectiveJob(Job):
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
-            values = [tf.cast(v.value, tf.float64) * mine for v in variables]
+            values = [tf.cast(tf.convert_to_tensor(v), tf.float64) * mine for v in variables]
             return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=self._communication)
 
         reduced = self.traced_for(variables, lambda: strategy.run(replica_fn))()

@@ -63,6 +63,10 @@ def packed_sum(hvd, tensors: list, num_packs: int) -> list:
     return out
 
 
+def _storage(variable) -> tf.Variable:
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
 def _nbytes(tensor) -> int:
     elements = tensor.shape.num_elements()
     return PACK_BELOW_BYTES if elements is None else elements * tensor.dtype.size
@@ -71,7 +75,8 @@ def _nbytes(tensor) -> int:
 def packed_broadcast(hvd, variables: list) -> None:
     """Assigns rank 0's values to `variables`, in one broadcast per dtype."""
     for group in _groups(variables, 1):
-        values = [variables[i].value for i in group]
+        # A Keras variable's storage, or a raw tf.Variable an optimizer tracks, itself.
+        values = [_storage(variables[i]) for i in group]
         flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
         flat = hvd.broadcast(flat, root_rank=0)
         for value, part in zip(values, tf.split(flat, [v.shape.num_elements() for v in values])):

@@ -58,6 +58,7 @@ from kmirror._core.keras_hooks.model_state import (  # noqa: E402
 )
 from kmirror._core.keras_hooks.optimizers import (  # noqa: E402
     accumulation,
+    building,
     reindex,
     release,
     train_locally,
@@ -135,6 +136,7 @@ __all__ = [
     "validation_split",
     "resumed_input",
     "accumulation",
+    "building",
     "train_locally",
     "release",
     "reindex",

@@ -168,16 +168,21 @@ def _in_compiled_step() -> bool:
 
 def _add_loss(layer, loss):
     """`Layer.add_loss`: in a replica's part of a step, the loss is the replica's (every replica
-    calls the same layer object, whose own list Keras would share between them)."""
+    calls the same layer object, whose own list Keras would share between them), and in a
+    model's own step, outside a layer call, the step's, read back by `layer.losses` until the
+    layer is called again (Keras clears a layer's losses at a new call)."""
     own = current_step()
     if own is None and _in_compiled_step():
         for value in tf.nest.flatten(loss):
             _compiled.losses.setdefault(id(layer), []).append(tf.convert_to_tensor(value))
         return None
-    if own is None or not inside_layer_call():
+    if own is None:
         return _original["add_loss"](layer, loss)
+    # Inside a call, from the replica's rows (combined when it returns); outside, the step's
+    # own value, one device's on every replica.
+    found = own.added if inside_layer_call() else own.losses
     for value in tf.nest.flatten(loss):
-        own.added.setdefault(id(layer), []).append(tf.convert_to_tensor(value))
+        found.setdefault(id(layer), []).append(tf.convert_to_tensor(value))
     return None
 
 

@@ -13,15 +13,19 @@ an optimizer back to Keras' own behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-__all__ = ["train_locally", "release", "reindex", "accumulation"]
+from kmirror._core import replicas
+
+__all__ = ["train_locally", "release", "reindex", "accumulation", "building"]
 
 #: What Keras' TensorFlow optimizer routes through tf.distribute, by method name.
 _LOCAL_METHODS = (
@@ -35,6 +39,19 @@ _LOCAL_METHODS = (
 _local = weakref.WeakSet()  # the optimizers kmirror trains
 _install_lock = threading.Lock()
 _installed = False
+_building = threading.local()  # `depth`: kmirror traces a step on this thread to build it
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Within this block this thread traces a step as one device, to build what it makes
+    (never run): every optimizer applies there as those kmirror trains do."""
+    _install()
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _building.depth -= 1
 
 
 def train_locally(optimizer) -> None:
@@ -64,12 +81,21 @@ def reindex(optimizer) -> None:
         reindex(optimizer.inner_optimizer)
 
 
+def _trained_locally(optimizer) -> bool:
+    """Whether `optimizer` applies as on one device: kmirror trains it, it applies in one of
+    kmirror's replicas (an optimizer another holds, or a step makes) or in a step kmirror
+    traces to build it."""
+    if optimizer in _local or getattr(_building, "depth", 0):
+        return True
+    return replicas.in_replica()
+
+
 def _choosing(name: str):
     keras_own = getattr(TFOptimizer, name)
     local = getattr(base_optimizer.BaseOptimizer, name)
 
     def method(self, *args, **kwargs):
-        return (local if self in _local else keras_own)(self, *args, **kwargs)
+        return (local if _trained_locally(self) else keras_own)(self, *args, **kwargs)
 
     method.__name__ = name
     return method
@@ -77,7 +103,7 @@ def _choosing(name: str):
 
 def _loss_scale_apply(keras_own):
     def _tf_apply(self, grads, trainable_variables=None):
-        if self in _local:
+        if _trained_locally(self):
             return self._common_apply(grads, trainable_variables)
         return keras_own(self, grads, trainable_variables)
 

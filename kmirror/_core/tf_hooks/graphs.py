@@ -16,6 +16,10 @@ TensorFlow has no public API for these things kmirror needs:
   `tf.vectorized_map`, `keras.ops.vectorized_map`, `GradientTape.jacobian` and `batch_jacobian`
   all end in `parallel_for.control_flow_ops.pfor`, which traces it in the graph around it), so
   that a model's own step computes there as one device (`keras_hooks.own_thread.per_row`);
+- which ops write a variable (`variable_write`), the handle a traced function captured for a
+  resource (`captured_handle`: a function graph's captures, followed out to the eager handle) and
+  whether it is a distributed variable's copy (`distributed`), to find the state a traced step
+  writes (`_core.reached_state`);
 - the gradient registry's custom gradients (`custom_gradients`), which a traced step's
   `tf.custom_gradient`s leave there, keeping the step's graph alive until released
   (`release_custom_gradients`).
@@ -26,7 +30,10 @@ Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
+
+import tensorflow as tf
 
 from kmirror import versions
 
@@ -44,6 +51,7 @@ from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops  # n
 
 __all__ = ["reduction_functions", "mixing_functions", "watch_ops", "branch_outputs"]
 __all__ += ["custom_gradients", "release_custom_gradients", "watch_per_row_functions"]
+__all__ += ["variable_write", "captured_handle", "distributed"]
 
 
 def custom_gradients() -> set[str]:
@@ -144,3 +152,47 @@ def watch_per_row_functions(marked: Callable[[], contextlib.AbstractContextManag
         return original(traced, iters, *args, **kwargs)
 
     pfor_ops.pfor = pfor
+
+
+#: The ops writing a variable through its handle (the first input): assignments, scatters,
+#: slice assignments and the fused updates of TensorFlow's optimizers.
+_WRITE_PREFIXES = ("ResourceScatter", "ResourceApply", "ResourceSparseApply")
+_WRITES = frozenset(
+    {
+        "AssignVariableOp",
+        "AssignAddVariableOp",
+        "AssignSubVariableOp",
+        "ResourceStridedSliceAssign",
+    }
+)
+
+
+def variable_write(op_type: str) -> bool:
+    """Whether ops of `op_type` write the variable whose handle is their first input."""
+    return op_type in _WRITES or op_type.startswith(_WRITE_PREFIXES)
+
+
+def captured_handle(tensor):
+    """The eager resource handle a traced function's `tensor` stands for: a function graph's
+    capture, followed out through the graphs around it (a condition's branch inside a step);
+    None where `tensor` is made in a graph (a variable the function makes itself)."""
+    while tf.is_symbolic_tensor(tensor):
+        if tensor.op.type != "Placeholder":
+            return None
+        captured = _captured.get(tensor.graph)
+        if captured is None or len(captured) != len(tensor.graph.captures):
+            captured = {id(internal): external for external, internal in tensor.graph.captures}
+            _captured[tensor.graph] = captured
+        tensor = captured.get(id(tensor))
+        if tensor is None:
+            return None
+    return tensor
+
+
+_captured = weakref.WeakKeyDictionary()  # a function graph -> its captures by internal tensor
+
+
+def distributed(handle) -> bool:
+    """Whether `handle` is a copy of a `tf.distribute` variable (a mirrored variable's on one
+    replica): TensorFlow marks each copy's handle with its container."""
+    return hasattr(handle, "_distributed_container")

@@ -1,0 +1,89 @@
+"""The state a traced step writes that kmirror did not mirror: found in the step's graph as it is
+traced, mirrored, and the step traced again before it ever runs.
+
+kmirror mirrors the state it finds on the model (`mirroring.state`): its layers' variables, its
+optimizers' (and those an optimizer holds), its metrics', the variables it holds. A program may
+keep state elsewhere: a seed generator on an object that is not a layer, raw `tf.Variable`s an
+optimizer tracks, a module's variable. Written by every replica, such a variable would be
+written once per replica (a seed generator advancing, and drawing anew, for each), where one
+device writes it once. So while one of kmirror's replicas is traced, every op writing a variable
+is checked as it is made (`tf_hooks.graphs.watch_ops`): one whose variable the step captured from
+outside and is not a copy of a distributed variable is recorded (`_written`), where the process
+runs several replicas (a Horovod rank runs one, which writes its variables once, as one device).
+When the step's trace returns (`check`, on the thread that traced it), `Unmirrored` is raised,
+before anything ran; `retrying` then mirrors those variables (`Mirror.adopt_written`) and calls
+the step again, which traces it again. Eager steps make no graph: nothing is found there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from kmirror._core import replicas
+from kmirror._core.tf_hooks import graphs
+
+__all__ = ["Unmirrored", "install", "check", "retrying"]
+
+_lock = threading.Lock()
+_written: dict = {}  # id(handle) -> the handle of each unmirrored variable a replica wrote
+_installed: list = []
+
+
+class Unmirrored(Exception):
+    """A traced step writes variables kmirror did not mirror (their handles)."""
+
+    def __init__(self, handles: list) -> None:
+        super().__init__(f"{len(handles)} variable(s) written by the step are not mirrored")
+        self.handles = handles
+
+
+def install() -> None:
+    """Checks every variable write made while one of kmirror's replicas is traced."""
+    with _lock:
+        if not _installed:
+            graphs.watch_ops(_check_op)
+            _installed.append(True)
+
+
+def _check_op(op_type: str, inputs, attrs) -> None:
+    if not inputs or not graphs.variable_write(op_type) or not replicas.in_replica():
+        return
+    if replicas.local_count() < 2:  # one replica in this process: it writes the variable once
+        return
+    handle = graphs.captured_handle(inputs[0])
+    if handle is not None and not graphs.distributed(handle):
+        with _lock:
+            _written[id(handle)] = handle
+
+
+def check() -> None:
+    """Raises `Unmirrored` if the replicas traced since the last check wrote variables kmirror
+    did not mirror."""
+    with _lock:
+        handles = list(_written.values())
+        _written.clear()
+    if handles and not tf.executing_eagerly():
+        raise Unmirrored(handles)
+
+
+def retrying(function: Callable, adopt: Callable[[list], None]) -> Callable:
+    """`function` (a step function Keras or kmirror calls with its batches) that, where its trace
+    finds unmirrored variables it writes, has `adopt` mirror them and calls it again (the same
+    batches: nothing ran)."""
+
+    def call(*args, **kwargs):
+        adopted = set()
+        while True:
+            try:
+                return function(*args, **kwargs)
+            except Unmirrored as found:
+                if adopted & {id(h) for h in found.handles}:
+                    message = "kmirror: a variable it mirrored is written unmirrored"
+                    raise RuntimeError(message) from None
+                adopted |= {id(h) for h in found.handles}
+                adopt(found.handles)
+
+    return call

@@ -1,0 +1,87 @@
+"""State a step reaches that no walk of the model finds (tests/state_steps.py): trained on 3
+replicas, given back by `unwrap` single-device and holding one device's values, so that training
+goes on where it stopped; and a variable that cannot be mirrored where it is held is refused,
+naming it and the fix, before anything runs."""
+
+import keras
+import numpy as np
+import pytest
+import state_steps
+import tensorflow as tf
+from conftest import cpus
+from features import FEATURES, fit, trained_state
+from global_steps import FLOATX, labelled
+from real_models import precision
+
+import kmirror
+
+PROGRAMS = ["lookahead", "lookahead_own_step", "raw_buffers", "noisy_gradients"]
+
+
+def everything(model: keras.Model) -> list:
+    """The weights, every optimizer's variables, and the noise's seed generator state."""
+    noise = getattr(model, "noise", None)
+    seed = [] if noise is None else [noise.seed.state.numpy()]
+    return trained_state(model) + seed
+
+
+def assert_single_device(model: keras.Model) -> None:
+    for variable in trained_variables(model):
+        assert not isinstance(variable, tf.distribute.DistributedValues), variable.name
+
+
+def trained_variables(model: keras.Model) -> list:
+    optimizers, pending = [], [model.optimizer]
+    while pending:
+        optimizer = pending.pop(0)
+        if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer not in optimizers:
+            optimizers.append(optimizer)
+            pending += list(vars(optimizer).values())
+    found = [getattr(v, "value", v) for o in optimizers for v in o.variables]
+    return found + [v.value for v in model.weights]
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_unwrap_gives_back_one_devices_state_and_training_goes_on_from_it(name):
+    feature = FEATURES[f"state_{name}"]
+    expected = getattr(state_steps, name)()
+    fit(expected, feature, epochs=1)
+    fit(expected, feature, epochs=1)
+
+    wrapped = kmirror.wrap(getattr(state_steps, name)(), devices=cpus(3))
+    fit(wrapped, feature, epochs=1)
+    model = wrapped.unwrap()
+    assert_single_device(model)
+    fit(model, feature, epochs=1)
+
+    want, got = everything(expected), everything(model)
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)
+
+
+class TupleBuffers(keras.optimizers.SGD):
+    """SGD keeping a raw `tf.Variable` per weight in a tuple, which no copy can be put into."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.average = tuple(tf.Variable(tf.zeros(v.shape, v.dtype)) for v in variables)
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+        average = self.average[self._get_variable_index(variable)]
+        average.assign(0.9 * average + 0.1 * variable)
+
+
+def test_a_written_variable_held_in_a_tuple_is_refused_naming_it_and_the_fix():
+    model = state_steps._model(keras.Sequential, TupleBuffers(0.1))
+    before = model.get_weights()
+    x, y, _ = labelled()
+    wrapped = kmirror.wrap(model, devices=cpus(2))
+    with precision(FLOATX), pytest.raises(ValueError) as raised:
+        wrapped.fit(x, y, batch_size=33, epochs=1, verbose=0)
+    message = str(raised.value)
+    assert "tf.Variable" in message and "tuple" in message
+    assert "keras.Variable" in message and "a list, a dict or an attribute" in message
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
