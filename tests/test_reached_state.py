@@ -37,7 +37,7 @@ def trained_variables(model: keras.Model) -> list:
         if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer not in optimizers:
             optimizers.append(optimizer)
             pending += list(vars(optimizer).values())
-    found = [getattr(v, "value", v) for o in optimizers for v in o.variables]
+    found = [v if isinstance(v, tf.Variable) else v.value for o in optimizers for v in o.variables]
     return found + [v.value for v in model.weights]
 
 
