@@ -118,12 +118,18 @@ class Mirror:
                     "(layer.add_weight or keras.Variable), or hold it in a list or an attribute "
                     "of a layer, created outside any strategy scope."
                 )
-            if id(variable) not in self._stand_ins:
-                with self.scope():
-                    self._stand_ins[id(variable)] = (variable, holding.stand_in(variable))
-                made += 1
-            holding.put(holder, key, self._stand_ins[id(variable)][1])
-            self._raw.append((holder, key, variable))
+            made += self._put_stand_in(holder, key, variable)
+        return made
+
+    def _put_stand_in(self, holder, key, variable: tf.Variable) -> bool:
+        """Puts the mirrored stand-in of the raw `variable` (made once) at `holder[key]`, to be
+        given back at `unmirror`; whether it was made now."""
+        made = id(variable) not in self._stand_ins
+        if made:
+            with self.scope():
+                self._stand_ins[id(variable)] = (variable, holding.stand_in(variable))
+        holding.put(holder, key, self._stand_ins[id(variable)][1])
+        self._raw.append((holder, key, variable))
         return made
 
     def adopt_written(self, handles: list) -> None:
@@ -138,12 +144,8 @@ class Mirror:
                     keras_hooks.store(owner, variable.read_value())
                 self._written.append(owner)
                 continue
-            holders = holding.replaceable(variable)
-            with self.scope():
-                self._stand_ins[id(variable)] = (variable, holding.stand_in(variable))
-            for holder, key in holders:
-                holding.put(holder, key, self._stand_ins[id(variable)][1])
-                self._raw.append((holder, key, variable))
+            for holder, key in holding.replaceable(variable):
+                self._put_stand_in(holder, key, variable)
         for optimizer in list(self._optimizers):
             keras_hooks.reindex(optimizer)
 
@@ -178,13 +180,9 @@ class Mirror:
         """Gives every mirrored variable of `model`'s state single-device storage again, holding
         its value, and leaves Keras' own behaviour to its optimizers."""
         strategy = self._reducer.strategy
-        for variable in state(model):
+        for variable in [*state(model), *self._written]:
             stored = keras_hooks.storage(variable)
             if stored is not None and tf_hooks.strategy_of(stored) is strategy:
-                keras_hooks.store(variable, stored.read_value())
-        for variable in self._written:
-            stored = keras_hooks.storage(variable)
-            if tf_hooks.strategy_of(stored) is strategy:
                 keras_hooks.store(variable, stored.read_value())
         self._written.clear()
         for variable, mirrored in self._stand_ins.values():
@@ -241,7 +239,7 @@ def state(model: keras.Model) -> list:
     found, seen = [], set()
     groups = [model.variables, *(o.variables for o in optimizers(model))]
     groups += [metric.variables for metric in model.metrics]
-    groups.append([v for _, _, v in holding.held(model) if isinstance(v, keras.Variable)])
+    groups.append([v for _, _, v in holding.held(model)])
     for group in groups:
         for variable in group:
             if isinstance(variable, keras.Variable) and id(variable) not in seen:
