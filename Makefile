@@ -23,8 +23,8 @@ PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint
 	$(PY) -m pytest $(PARALLEL) -m "not ops"
 
-# Every function of keras.ops over the rows of a layer call, in fit, evaluate and predict, on 2 and
-# 3 replicas, compiled and own steps, traced and eager (tests/test_op_coverage.py; about 18 min).
+# Every function of keras.ops over the rows of a layer call, in fit, evaluate and predict, compiled
+# and own steps, traced on 3 replicas and eager on 2 and 3 (tests/test_op_coverage.py; about 26 min).
 test-ops: install
 	$(PY) -m pytest $(PARALLEL) -m ops
 

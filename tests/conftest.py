@@ -5,8 +5,9 @@ Tests pick 1 to 7 of them with `devices=cpus(n)`.
 `make test` runs the suite in 2 processes (pytest-xdist, `--dist loadgroup`): most of a test's time
 is tracing TensorFlow graphs in Python, on one core. Tests run in groups, one process per group:
 each module's tests together (they share references and jobs), each deep model's together (they
-share its single-device reference), and the tests that launch jobs of several processes in two
-groups, so that no two jobs of a group start at once:
+share its single-device reference), the feature matrix by replica count (its single-device
+references are shared by every process: tests/shared_cache.py), and the tests that launch jobs of
+several processes in two groups, so that no two jobs of a group start at once:
 
 - "horovod jobs": Horovod's ranks bind port 0 (Gloo), and Ray Train picks its workers' ports by
   binding port 0 and releasing them, which another process's bind to port 0 could take before
@@ -14,7 +15,7 @@ groups, so that no two jobs of a group start at once:
 - "ring jobs": the launcher picks the workers' ports below the kernel's ephemeral range, where no
   bind to port 0 reaches, so they run beside the Horovod jobs.
 
-The costliest groups are handed out first.
+The costliest groups are handed out first, so that the last to end is a short one.
 """
 
 import os
@@ -51,6 +52,8 @@ FIRST = (
     "tests/test_tracing.py",
     "horovod jobs",
     "ring jobs",
+    "features on 3",
+    "features on 2",
     "deep DenseNet121",
     "deep ResNet50",
     "deep EfficientNetB0",
@@ -96,6 +99,8 @@ def group(item) -> str:
     params = item.callspec.params if hasattr(item, "callspec") else {}
     if "test_deep_model" in item.nodeid and params.get("name"):
         return f"deep {params['name']}"
+    if "test_feature_equals_single_device" in item.nodeid and "n" in params:
+        return f"features on {params['n']}"
     if "test_op_coverage" in item.nodeid and "chunk" in params:  # its ops' references shared
         return f"ops {params['chunk']}"
     return item.nodeid.split("::")[0]
