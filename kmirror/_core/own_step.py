@@ -88,8 +88,26 @@ def build_as_one_device(model: keras.Model, step: str, data) -> None:
     afterwards (`_core.mirroring`), with the values one device's would have. It is traced as
     Keras traces a step, without autograph.
     """
+    method = getattr(model, step)
+
+    def traced(data):
+        with tf.variable_creator_scope(_made_outside):
+            return method(data)
+
     with keras_hooks.building():
-        tf.function(getattr(model, step), autograph=False).get_concrete_function(data)
+        tf.function(traced, autograph=False).get_concrete_function(data)
+
+
+def _made_outside(next_creator, **kwargs):
+    """A variable the traced step makes, made outside its graph at once, as `tf.function` lifts it
+    (from the same initial value): `tf.function` then keeps its first trace, where it would trace
+    the step a second time, without making variables, to run. An initial value computed in the
+    step's graph is left to `tf.function`, which refuses it as on one device."""
+    graph = getattr(kwargs.get("initial_value"), "graph", None)
+    if graph is not None and graph.building_function:
+        return next_creator(**kwargs)
+    with tf.init_scope():
+        return next_creator(**{**kwargs, "experimental_enable_variable_lifting": False})
 
 
 def _run(
