@@ -3,6 +3,8 @@ replicas, given back by `unwrap` single-device and holding one device's values, 
 goes on where it stopped; and a variable that cannot be mirrored where it is held is refused,
 naming it and the fix, before anything runs."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -85,3 +87,77 @@ def test_a_written_variable_held_in_a_tuple_is_refused_naming_it_and_the_fix():
     assert "keras.Variable" in message and "a list, a dict or an attribute" in message
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def weights_file(path) -> dict:
+    """Every array of a Keras weights file, by its path in the file."""
+    import h5py
+
+    arrays = {}
+
+    def take(key, item):
+        if isinstance(item, h5py.Dataset):
+            arrays[key] = item[()]
+
+    with h5py.File(path) as opened:
+        opened.visititems(take)
+    return arrays
+
+
+def fit_backed_up(model, feature, backup_dir, crash=None):
+    """2 epochs of the feature's batches with kmirror's BackupAndRestore every 2 batches (each
+    step its own call: the batches skipped on resume); `crash` (epoch, batch) stops it there."""
+    from test_backup import Crash, CrashAt
+
+    x, y, _ = feature.data()
+    callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, save_freq=2)]
+    callbacks += [CrashAt(*crash)] if crash else []
+    with precision(FLOATX), contextlib.suppress(Crash):
+        model.fit(x, y, batch_size=feature.batch_size, epochs=2, verbose=0, callbacks=callbacks)
+    return model
+
+
+@pytest.mark.parametrize("name", ["lookahead", "noisy_gradients"])
+def test_saved_and_backed_up_state_is_one_devices(name, tmp_path):
+    """On 3 replicas: training with kmirror's backups every 2 batches is one device's, and so is
+    the weights file (the wrapper's inner Adam and slow weights too). A crash inside the second
+    epoch resumes there, each step its own call: the Lookahead to the uninterrupted run, its
+    inner Adam's state restored; the gradient noise, whose seed generator is held by an object
+    Keras' weights file does not hold, draws as one device draws in the batches left."""
+    feature, build = FEATURES[f"state_{name}"], getattr(state_steps, name)
+    expected = fit_backed_up(build(), feature, tmp_path / "one")
+    wrapped = fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, tmp_path / "whole")
+    assert_same_state(everything(expected), everything(wrapped))
+
+    expected.save_weights(tmp_path / "one.weights.h5")
+    wrapped.save_weights(tmp_path / "wrapped.weights.h5")
+    want, got = (
+        weights_file(tmp_path / "one.weights.h5"),
+        weights_file(tmp_path / "wrapped.weights.h5"),
+    )
+    assert sorted(got) == sorted(want)
+    if name == "lookahead":  # Keras saves the inner optimizer as the wrapper's child
+        assert any(key.startswith("optimizer/inner/vars/") for key in want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-10)
+
+    folder = tmp_path / "crashed"
+    fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, folder, crash=(1, 1))
+    resumed = fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, folder)
+    if name == "lookahead":
+        assert_same_state(everything(expected), everything(resumed))
+    else:  # a generator no weights file holds starts again at the relaunch, and draws as one
+        # device draws in the batches after the backup (each step its own call)
+        crashed = fit_backed_up(build(), feature, tmp_path / "one crashed", crash=(1, 1))
+        np.testing.assert_array_equal(
+            drawn(resumed) - drawn(build()), drawn(expected) - drawn(crashed)
+        )
+
+
+def drawn(model) -> np.ndarray:
+    return model.noise.seed.state.numpy()
+
+
+def assert_same_state(expected: list, actual: list) -> None:
+    for a, b in zip(expected, actual, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)

@@ -45,5 +45,5 @@ def explain(model, build, x, y, sample_weight, batch_size: int, step: str):
     name = STEPS[step]
     build(data, name)
     with keras_hooks.explaining() as explanation:
-        tf.function(getattr(model, name)).get_concrete_function(data)
+        tf.function(getattr(model, name), autograph=False).get_concrete_function(data)
     return explanation

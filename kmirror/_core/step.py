@@ -119,7 +119,7 @@ def train(
         return loss, outputs, grads
 
     if jit_compile:
-        gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True)
+        gradients = tf.function(gradients, jit_compile=True, reduce_retracing=True, autograph=False)
 
     state = _layer_state(model, reducer, global_statistics)
 
@@ -237,7 +237,10 @@ def one_call_per_step(step_fn, count: int, run_eagerly: bool, retrying=lambda f:
     whose collectives cannot run in that loop. Like Keras' function, it returns the last step's
     logs and raises StopIteration when the iterator had no batch left; `retrying` wraps one step.
     """
-    one_step = retrying(step_fn if run_eagerly else tf.function(step_fn, reduce_retracing=True))
+    # Traced as Keras traces its step function: without autograph (a step's Python `if` on a
+    # tensor fails as on one device).
+    traced = tf.function(step_fn, reduce_retracing=True, autograph=False)
+    one_step = retrying(step_fn if run_eagerly else traced)
 
     def function(iterator):
         outputs = None
