@@ -23,6 +23,9 @@ one class. The names it answers as the user's model are `_core.answering`'s.
 
 from __future__ import annotations
 
+import concurrent.futures
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -409,6 +412,33 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             self.predict_function = self._retrying(self.predict_function)
         self._chief.ensure()
         return self.predict_function
+
+    def look_before_eager(self, step_fn, data) -> None:
+        """Before an eager step first runs on several replicas of this process: the state it
+        writes that no walk found, mirrored (`_core.reached_state.looked_at`); where the step
+        cannot be traced, a warning that such state would be written once per replica."""
+        name = step_fn.func.__name__
+        looked = self.__dict__.setdefault("_looked_at", set())
+        if name in looked or len(self._reducer.strategy.extended.worker_devices) < 2:
+            return
+        looked.add(name)
+
+        def adopt(handles):
+            # Keras' step function runs in its default strategy's replica context, where no
+            # other strategy's scope may be entered: mirrored from a thread of its own, as
+            # outside any step.
+            with concurrent.futures.ThreadPoolExecutor(1) as outside:
+                outside.submit(self._mirror.adopt_written, handles).result()
+
+        if not reached_state.looked_at(step_fn, data, adopt):
+            warnings.warn(
+                f"kmirror: this eager {name} cannot be traced, so kmirror cannot look for "
+                "variables it writes that the model does not hold (a seed generator or a "
+                "tf.Variable on another object): those would be written once per replica. Hold "
+                "them on the model (an attribute, a list or a dict of it), or make the step "
+                "traceable.",
+                stacklevel=2,
+            )
 
     def _retrying(self, function):
         """`function`, which mirrors the state its trace finds it writes unmirrored and traces

@@ -12,7 +12,8 @@ outside and is not a copy of a distributed variable is recorded (`_written`), wh
 runs several replicas (a Horovod rank runs one, which writes its variables once, as one device).
 When the step's trace returns (`check`, on the thread that traced it), `Unmirrored` is raised,
 before anything ran; `retrying` then mirrors those variables (`Mirror.adopt_written`) and calls
-the step again, which traces it again. Eager steps make no graph: nothing is found there.
+the step again, which traces it again. An eager step makes no graph: before it first runs on
+several replicas it is traced once for this look alone, never run (`looked_at`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tensorflow as tf
 from kmirror._core import replicas
 from kmirror._core.tf_hooks import graphs
 
-__all__ = ["Unmirrored", "install", "check", "retrying"]
+__all__ = ["Unmirrored", "install", "check", "looked_at", "retrying"]
 
 _lock = threading.Lock()
 _written: dict = {}  # id(handle) -> the handle of each unmirrored variable a replica wrote
@@ -62,11 +63,38 @@ def _check_op(op_type: str, inputs, attrs) -> None:
 def check() -> None:
     """Raises `Unmirrored` if the replicas traced since the last check wrote variables kmirror
     did not mirror."""
+    handles = _taken()
+    if handles and not tf.executing_eagerly():
+        raise Unmirrored(handles)
+
+
+def _taken() -> list:
     with _lock:
         handles = list(_written.values())
         _written.clear()
-    if handles and not tf.executing_eagerly():
-        raise Unmirrored(handles)
+    return handles
+
+
+def looked_at(step: Callable, data, adopt: Callable[[list], None]) -> bool:
+    """Before an eager step (`run_eagerly=True`) first runs on several replicas of this process:
+    an eager step makes no graph whose ops could be checked, so `step` is traced once on `data`,
+    never run, and what that trace writes unmirrored is mirrored (`adopt`), traced again until
+    nothing is found. Returns False where the step cannot be traced (it reads a tensor's value in
+    Python): its writes are then not looked at."""
+    adopted = set()
+    while True:
+        try:
+            tf.function(step, autograph=False).get_concrete_function(data)
+        except Exception:  # noqa: BLE001 - any failure to trace: the eager step runs as it is
+            _taken()
+            return False
+        handles = _taken()
+        if not handles:
+            return True
+        if adopted & {id(h) for h in handles}:
+            raise RuntimeError("kmirror: a variable it mirrored is written unmirrored")
+        adopted |= {id(h) for h in handles}
+        adopt(handles)
 
 
 def retrying(function: Callable, adopt: Callable[[list], None]) -> Callable:

@@ -15,6 +15,8 @@ import functools
 import gc
 import threading
 
+import tensorflow as tf
+
 from kmirror._core import reached_state
 from kmirror._core.tf_hooks import graphs
 
@@ -38,6 +40,8 @@ def traced(step_method):
             else:
                 _steps.append(_steps[0])
         try:
+            if tf.executing_eagerly():  # an eager step: no trace shows the state it writes
+                self.look_before_eager(functools.partial(step_method, self), data)
             outputs = step_method(self, data)
             reached_state.check()  # before the step runs: state it writes, not mirrored
             return outputs
