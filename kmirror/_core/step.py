@@ -191,7 +191,6 @@ def evaluate(
     logged = (logged or Logged()).holding(place)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     shards = split(reducer, (x, y, sample_weight), place)
-
     state = _layer_state(model, reducer, global_statistics=False)
 
     def local_step(local):
@@ -237,9 +236,7 @@ def one_call_per_step(step_fn, count: int, run_eagerly: bool, retrying=lambda f:
     whose collectives cannot run in that loop. Like Keras' function, it returns the last step's
     logs and raises StopIteration when the iterator had no batch left; `retrying` wraps one step.
     """
-    # Traced as Keras traces its step function: without autograph (a step's Python `if` on a
-    # tensor fails as on one device).
-    traced = tf.function(step_fn, reduce_retracing=True, autograph=False)
+    traced = tf.function(step_fn, reduce_retracing=True, autograph=False)  # as Keras traces
     one_step = retrying(step_fn if run_eagerly else traced)
 
     def function(iterator):
