@@ -10,7 +10,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt kmirror/install_horovod.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,notebooks,docs,ray]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,notebooks,docs,ray,trackers]"
 	$(PY) -m kmirror.install_horovod
 	touch $(STAMP)
 

@@ -5,7 +5,12 @@
     python -m kmirror.launch --workers 2 callbacks_job.py MODE OUT ring
 
 MODE "callbacks": checkpoints and TensorBoard into OUT/<kind><rank>, an early-stopped run, and
-Keras' own file-writing callbacks, every process writing into OUT/keras.
+Keras' own file-writing callbacks, every process writing into OUT/keras. The first run is tracked
+as a script does it in every process: an MLflow run opened in every process (file store
+OUT/mlruns/callbacks) with MLflow's callback, a W&B run (offline, OUT/wandb<rank>) with
+`WandbMetricsLogger`, and a callback of the script's own appending each epoch's logs to
+OUT/epochs.jsonl, given to `kmirror.callbacks.chief_only`. The early-stopped run is logged by
+`mlflow.tensorflow.autolog()` (file store OUT/mlruns/autolog).
 MODE "backup": 5 epochs of 4 shuffled batches (numpy arrays; KMIRROR_TEST_ROWS=1: a RowDataset,
 each process loading its rows, in the order Python's random draws) with
 BackupAndRestore(OUT/backup<rank>, save_freq=2): each process has its own folder, as without a
@@ -63,6 +68,46 @@ def fit(model, epochs, callbacks, shuffle=False, rows=False, **kwargs):
     ).history
 
 
+class Epochs(keras.callbacks.Callback):
+    """Appends each epoch's logs to a file, as a line of JSON: a callback that writes."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({key: float(value) for key, value in logs.items()}) + "\n")
+
+
+def tracked_fit(model, epochs, callbacks):
+    """`fit`, tracked by MLflow, W&B and a callback of the script's own, in every process."""
+    import mlflow
+    import wandb
+    from wandb.integration.keras import WandbMetricsLogger
+
+    mlflow.set_tracking_uri((out / "mlruns" / "callbacks").as_uri())
+    run = wandb.init(project="kmirror", dir=out / f"wandb{rank}", mode="offline")
+    mine = kmirror.callbacks.chief_only(Epochs(out / "epochs.jsonl"))
+    with mlflow.start_run():
+        tracked = [mlflow.keras.MlflowCallback(), WandbMetricsLogger(), mine]
+        history = fit(model, epochs, callbacks + tracked)
+    run.finish()
+    return history
+
+
+def autologged_fit(model, epochs, callbacks):
+    """`fit` with MLflow's autologging on, in every process."""
+    import mlflow
+
+    mlflow.set_tracking_uri((out / "mlruns" / "autolog").as_uri())
+    mlflow.tensorflow.autolog(log_models=False)  # its checkpoints each epoch, not the model
+    try:
+        return fit(model, epochs, callbacks)
+    finally:
+        mlflow.tensorflow.autolog(disable=True)
+
+
 class Batches(keras.callbacks.Callback):
     """Counts the batches `fit` trains."""
 
@@ -111,10 +156,14 @@ if mode == "callbacks":
         kmirror.callbacks.ChiefCheckpoint(checkpoints / "last.weights.h5", save_weights_only=True),
         kmirror.callbacks.ChiefTensorBoard(board),
     ]
-    results["history"] = fit(model, 4, callbacks)
+    # Local stores only: MLflow's file store (a folder every process shares), W&B offline.
+    os.environ.update(MLFLOW_ALLOW_FILE_STORE="true", WANDB_SILENT="true")
+    results["history"] = tracked_fit(model, 4, callbacks)
     results["weights"] = model.get_weights()
     results["samples_seen"] = model.samples_seen
-    stopped = fit(make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)])
+    stopped = autologged_fit(
+        make(), 30, [keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)]
+    )
     results["early_stopped_epochs"] = len(stopped["loss"])
     # Keras' own callbacks, every process given the same folder.
     results["keras history"] = fit(make(), KERAS_EPOCHS, keras_callbacks(out / "keras"))

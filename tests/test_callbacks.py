@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import jobs
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import trackers
 from models import (
     BATCH,
     KERAS_EPOCHS,
@@ -25,6 +27,7 @@ from models import (
 )
 
 import kmirror
+from kmirror._core.callbacks import keras_own
 
 HERE = Path(__file__).parent
 JOB = str(HERE / "callbacks_job.py")
@@ -136,23 +139,118 @@ def test_tensorboard_is_written_by_the_chief_with_kmirrors_scalars(job):
     )
 
 
-def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
-    _, _, ranks = job
+@functools.cache
+def single_device_early_stopped():
     x, y = dense_data()
     xv, yv = dense_data(n=40, seed=5)
-    reference = dense_model("sgd").fit(
-        x,
-        y,
-        batch_size=BATCH,
-        epochs=30,
-        shuffle=False,
-        verbose=0,
-        validation_data=(xv, yv),
-        callbacks=[keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)],
+    return (
+        dense_model("sgd")
+        .fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=30,
+            shuffle=False,
+            verbose=0,
+            validation_data=(xv, yv),
+            callbacks=[keras.callbacks.EarlyStopping(patience=1, min_delta=0.05)],
+        )
+        .history
     )
+
+
+def test_early_stopping_stops_every_rank_at_the_single_device_epoch(job):
+    _, _, ranks = job
     epochs = [r["early_stopped_epochs"] for r in ranks]
     assert 1 < epochs[0] < 30
-    assert epochs == [len(reference.history["loss"])] * len(ranks)
+    assert epochs == [len(single_device_early_stopped()["loss"])] * len(ranks)
+
+
+def assert_logged(run: dict, history: dict) -> None:
+    """A tracker's run holds each value of one device's `history`, at its epoch, within 1e-6."""
+    for key, values in history.items():
+        logged = run.get(key, [])
+        assert {step for step, _ in logged} == set(range(len(values))), (key, logged)
+        for step, value in logged:
+            assert value == pytest.approx(values[step], rel=1e-6, abs=1e-6), (key, step)
+
+
+def processes(reducer: str) -> int:
+    return 1 if reducer == "one_device" else 2
+
+
+def test_mlflow_callback_logs_one_run_with_one_devices_metrics(job):
+    """Every process opens an MLflow run and gives `fit` MLflow's callback: the chief's run holds
+    one device's metrics, and the other process's run (the script's) holds none."""
+    reducer, out, _ = job
+    runs = trackers.mlflow_runs(out / "mlruns" / "callbacks")
+    assert len(runs) == processes(reducer), "each process opened a run"
+    logged = [run for run in runs if run]
+    assert len(logged) == 1, f"{len(logged)} runs have metrics"
+    assert_logged(logged[0], single_device_history())
+
+
+def test_mlflow_autolog_logs_one_run_with_one_devices_metrics(job):
+    reducer, out, _ = job
+    runs = trackers.mlflow_runs(out / "mlruns" / "autolog")
+    assert len(runs) == 1, f"autologging opened {len(runs)} runs"
+    assert_logged(runs[0], single_device_early_stopped())
+
+
+def test_wandb_metrics_logger_logs_one_run_with_one_devices_metrics(job):
+    """Every process opens an offline W&B run and gives `fit` `WandbMetricsLogger`."""
+    reducer, out, _ = job
+    runs = [
+        run
+        for rank in range(processes(reducer))
+        for run in trackers.wandb_runs(out / f"wandb{rank}")
+    ]
+    assert len(runs) == processes(reducer), "each process opened a run"
+    logged = [run for run in runs if run]
+    assert len(logged) == 1, f"{len(logged)} runs have metrics"
+    assert_logged(logged[0], single_device_history())
+
+
+def test_a_callback_given_to_chief_only_runs_on_the_chief_alone(job):
+    """The script's own callback, appending each epoch's logs to one file from every process,
+    given to `kmirror.callbacks.chief_only`: one line per epoch, one device's values."""
+    _, out, _ = job
+    lines = (out / "epochs.jsonl").read_text().splitlines()
+    epochs = [json.loads(line) for line in lines]
+    reference = single_device_history()
+    assert len(epochs) == len(reference["loss"]), f"{len(epochs)} lines for 4 epochs"
+    assert_logged({k: [(i, e[k]) for i, e in enumerate(epochs)] for k in epochs[0]}, reference)
+
+
+class Lines(keras.callbacks.Callback):
+    pass
+
+
+def test_chief_only_marks_a_callback_or_a_class_and_refuses_anything_else():
+    """On a process that is not the chief, `written_once` leaves out a marked callback, every
+    callback of a marked class, and the trackers' callbacks; the chief runs them all."""
+    import mlflow.keras
+
+    marked, of_class, tracker, other = (
+        Lines(),
+        Lines(),
+        mlflow.keras.MlflowCallback(),
+        keras.callbacks.EarlyStopping(),
+    )
+    assert kmirror.callbacks.chief_only(marked) is marked
+    given = [marked, tracker, other]
+    for is_chief, expected in [(False, [other]), (True, given)]:
+        with keras_own.written_once(
+            given, SimpleNamespace(is_chief=is_chief, num_processes=2)
+        ) as chosen:
+            assert chosen == expected
+    assert kmirror.callbacks.chief_only(Lines) is Lines
+    with keras_own.written_once(
+        [of_class, other], SimpleNamespace(is_chief=False, num_processes=2)
+    ) as chosen:
+        assert chosen == [other]
+    with pytest.raises(TypeError, match="takes a keras.callbacks.Callback or a subclass"):
+        kmirror.callbacks.chief_only("runs.jsonl")
 
 
 def files(folder: Path) -> list[str]:

@@ -31,6 +31,31 @@ def test_demo_prints_a_row_per_reducer_beside_single_device():
     assert [int(row.split("|")[2]) for row in rows] == [1, 2, 2, 2, 2, 2]
     for row in rows[1:]:
         assert float(row.split("|")[-2]) < 1e-4, row  # max weight difference to single device
+    # The job's processes (TF_CPP_MIN_LOG_LEVEL=3) print none of TensorFlow's start-up lines.
+    startup = ("cudart_stub", "oneDNN custom operations", "cuInit", "absl::InitializeLog")
+    assert not [line for line in out.splitlines() if any(s in line for s in startup)]
+
+
+#: TensorFlow's start-up lines as its processes print them, and a line of the script's own.
+LINES = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+    "I0000 00:00:1796581301.159329   15464 port.cc:153] oneDNN custom operations are on.\n",
+    "W0000 00:00:1796581301.160005   15464 cudart_stub.cc:31] Could not find cuda drivers\n",
+    "E0000 00:00:1796581291.411946   15216 cuda_platform.cc:52] failed call to cuInit\n",
+    "I0000 is the script's own line\n",
+]
+
+
+def test_the_launcher_shows_tensorflows_lines_at_the_log_level_each_process_asks_for():
+    from kmirror._core.launching import supervisor
+
+    shown = {level: [supervisor.shown(line, level) for line in LINES] for level in range(4)}
+    assert shown == {
+        0: [True, True, True, True, True],
+        1: [True, False, True, True, True],
+        2: [False, False, False, True, True],
+        3: [False, False, False, False, True],
+    }
 
 
 def test_horovod_example_under_the_launcher():

@@ -41,7 +41,8 @@ LAYERS = [
     # Around the steps: callbacks, what fit reads, where a relaunch resumes, the chief's state.
     ["_core.callbacks", "_core.callbacks.backup_folder", "_core.callbacks.backup"]
     + ["_core.callbacks.checkpoint"]
-    + ["_core.callbacks.tensorboard", "_core.callbacks.keras_own", "_core.callbacks.ray_train"]
+    + ["_core.callbacks.tensorboard", "_core.callbacks.trackers", "_core.callbacks.ray_train"]
+    + ["_core.callbacks.keras_own"]
     + ["_core.callbacks.preemption"]
     + ["feed.inputs", "feed.resume", "fitting", "chief_state", "building", "compiling", "explain"],
     # The model.

@@ -11,6 +11,12 @@ length of a `fit`, `evaluate` or `predict` call:
   `kmirror.callbacks.ChiefCheckpoint` does (a subclass that saves in its own way runs on the
   chief only);
 - `TensorBoard` and `CSVLogger`, which decide nothing, run on the chief only;
+- the Keras callbacks of experiment trackers, MLflow's (`mlflow.keras.MlflowCallback`, the one
+  `mlflow.tensorflow.autolog()` adds) and Weights & Biases' (`WandbMetricsLogger`,
+  `WandbModelCheckpoint`, any callback whose class comes from the `mlflow` or `wandb` packages),
+  run on the chief only: a job logs one run. Autologging is held off in the other processes
+  (`_core.callbacks.trackers`);
+- a callback, or a class of callbacks, given to `chief_only` runs on the chief only;
 - Keras' `BackupAndRestore` is replaced, for a wrapped model's `fit`, by
   `kmirror.callbacks.BackupAndRestore` made with its arguments (`stand_ins`): the chief backs up,
   and a relaunch resumes inside the interrupted epoch exactly, on any number of processes. The
@@ -21,9 +27,9 @@ length of a `fit`, `evaluate` or `predict` call:
 Ray Train's `ReportCheckpointCallback` reports a checkpoint from the chief only
 (`_core.callbacks.ray_train`).
 
-kmirror's own callbacks, and every other callback (`EarlyStopping`, `ReduceLROnPlateau`, ...:
-the same decisions on every process), run as given. Within one process every callback runs as
-given.
+kmirror's own callbacks (unless given to `chief_only`), and every other callback
+(`EarlyStopping`, `ReduceLROnPlateau`, ...: the same decisions on every process), run as given.
+Within one process every callback runs as given.
 
 Example:
 
@@ -41,12 +47,12 @@ import weakref
 import keras
 
 from kmirror._core import keras_hooks
-from kmirror._core.callbacks import ray_train
+from kmirror._core.callbacks import ray_train, trackers
 from kmirror._core.callbacks.backup import BackupAndRestore
 from kmirror._core.callbacks.checkpoint import ChiefCheckpoint
 from kmirror._core.callbacks.tensorboard import ChiefTensorBoard
 
-__all__ = ["check", "stand_ins", "written_once"]
+__all__ = ["check", "chief_only", "stand_ins", "written_once"]
 
 _OWN = (ChiefCheckpoint, ChiefTensorBoard, BackupAndRestore)
 #: Run by the chief only. A `ModelCheckpoint` whose class saves in its own way is too.
@@ -55,6 +61,47 @@ _CHIEF_ONLY = (
     keras.callbacks.CSVLogger,
     keras.callbacks.ModelCheckpoint,
 )
+
+
+#: The top-level packages of experiment trackers whose Keras callbacks run on the chief only.
+_TRACKERS = ("mlflow", "wandb")
+#: The callbacks, and classes of callbacks, given to `chief_only`.
+_MARKED = weakref.WeakSet()
+
+
+def chief_only(callback):
+    """Runs `callback` (a Keras callback, or a class of them) on the chief alone in a job of
+    several processes, and returns it: for a callback that writes (a tracker's, a file, a
+    message), which every process would otherwise run with the same logs. Such a callback must
+    not train, evaluate or predict: every process of a job takes part in each step.
+
+    Example:
+
+    ```python
+    model.fit(x, y, callbacks=[kmirror.callbacks.chief_only(MyLogger("runs"))])
+    ```
+    """
+    if not (
+        isinstance(callback, keras.callbacks.Callback)
+        or (isinstance(callback, type) and issubclass(callback, keras.callbacks.Callback))
+    ):
+        raise TypeError(
+            f"kmirror.callbacks.chief_only takes a keras.callbacks.Callback or a subclass of it; "
+            f"got {callback!r}."
+        )
+    _MARKED.add(callback)
+    return callback
+
+
+def _given_to_chief(callback) -> bool:
+    """Whether `callback` was given to `chief_only` (itself or a class it is of), or is an
+    experiment tracker's."""
+    if callback in _MARKED:
+        return True
+    return any(
+        kind in _MARKED or kind.__module__.partition(".")[0] in _TRACKERS
+        for kind in type(callback).__mro__
+    )
 
 
 #: Each of Keras' own `BackupAndRestore` objects given to a `fit`, and kmirror's in its place
@@ -154,15 +201,19 @@ def written_once(callbacks, job):
     check(callbacks)
     chosen, hooked = [], []
     for callback in callbacks:
+        given = _given_to_chief(callback)
+        if given and not job.is_chief:
+            continue
         if isinstance(callback, _OWN):
             chosen.append(callback)
         elif keras_hooks.saves_as_keras(callback):
             hooked.append(callback)
             chosen.append(callback)
-        elif not isinstance(callback, _CHIEF_ONLY) or job.is_chief:
+        elif given or not isinstance(callback, _CHIEF_ONLY) or job.is_chief:
             chosen.append(callback)
     with (
         keras_hooks.checkpoints_written_by(hooked, ChiefCheckpoint._write_checkpoint),
         ray_train.chief_checkpoints(chosen, job.is_chief),
+        trackers.autologging_on_chief_only(job.is_chief),
     ):
         yield chosen

@@ -1,6 +1,12 @@
 """Watching the processes of a local job: their output streamed with a rank prefix, the others
 stopped as soon as one fails, everything killed at the timeout; the job's exit code is the worst.
 
+A process's `TF_CPP_MIN_LOG_LEVEL` is applied to its output: TensorFlow 2.21 writes
+its start-up lines (`cudart_stub`, `oneDNN custom operations`, `cuInit`) through Abseil before
+reading the variable, so every process printed them whatever it asked for. The stream drops
+Abseil's log lines below the level asked (`I`nfo below 1, `W`arning below 2, `E`rror below 3),
+and Abseil's note that such lines go to standard error (a warning).
+
 Example:
 
 ```python
@@ -13,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 from typing import TextIO
 
-__all__ = ["run", "stream", "supervise", "say", "passing_sigterm_on", "GRACE_SECONDS"]
+__all__ = ["run", "stream", "shown", "supervise", "say", "passing_sigterm_on", "GRACE_SECONDS"]
 __all__ += ["EXIT_PREEMPTED"]
 
 #: Seconds the other processes get to exit after one failed, before they are killed.
@@ -28,6 +35,11 @@ GRACE_SECONDS = 10.0
 #: The exit code of a process stopped by `SIGTERM` after its job's backup
 #: (`_core.callbacks.preemption`): the others are on their way out too, and are not signalled.
 EXIT_PREEMPTED = 75
+
+#: An Abseil log line: its severity (I, W, E or F), then the time, the thread and the source line.
+_ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^ :]+:\d+\] ")
+_ABSL_NOTE = "WARNING: All log messages before absl::InitializeLog() is called are written to"
+_SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 
 #: Set when the launcher received SIGTERM (`passing_sigterm_on`): the job is not started again.
 terminated = threading.Event()
@@ -51,8 +63,12 @@ def run(commands: list, environments: list, timeout, output: TextIO) -> int:
     ]
     lock = threading.Lock()
     streams = [
-        threading.Thread(target=stream, args=(p, f"[{rank}] ", output, lock), daemon=True)
-        for rank, p in enumerate(processes)
+        threading.Thread(
+            target=stream,
+            args=(p, f"[{rank}] ", output, lock, _log_level(environment)),
+            daemon=True,
+        )
+        for rank, (p, environment) in enumerate(zip(processes, environments))
     ]
     for thread in streams:
         thread.start()
@@ -65,8 +81,26 @@ def run(commands: list, environments: list, timeout, output: TextIO) -> int:
     return code
 
 
-def stream(process: subprocess.Popen, prefix: str, output: TextIO, lock: threading.Lock) -> None:
+def _log_level(environment) -> int:
+    """The `TF_CPP_MIN_LOG_LEVEL` a process was started with (0: every line)."""
+    value = (environment if environment is not None else os.environ).get("TF_CPP_MIN_LOG_LEVEL")
+    return int(value) if value and value.isdigit() else 0
+
+
+def shown(line: str, level: int) -> bool:
+    """Whether `line` of a process asking for TensorFlow's log level `level` is shown."""
+    if level >= 2 and line.startswith(_ABSL_NOTE):
+        return False
+    found = _ABSL_LINE.match(line)
+    return found is None or _SEVERITY[found.group(1)] >= level
+
+
+def stream(
+    process: subprocess.Popen, prefix: str, output: TextIO, lock: threading.Lock, level: int = 0
+) -> None:
     for line in process.stdout:
+        if not shown(line, level):
+            continue
         with lock:
             output.write(prefix + line)
             output.flush()
