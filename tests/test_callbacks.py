@@ -251,6 +251,11 @@ def test_chief_only_marks_a_callback_or_a_class_and_refuses_anything_else():
         assert chosen == [other]
     with pytest.raises(TypeError, match="takes a keras.callbacks.Callback or a subclass"):
         kmirror.callbacks.chief_only("runs.jsonl")
+    for deciding in (keras.callbacks.EarlyStopping(), kmirror.callbacks.BackupAndRestore("b")):
+        with pytest.raises(ValueError, match="changes training, so every process must run it"):
+            kmirror.callbacks.chief_only(deciding)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau changes training"):
+        kmirror.callbacks.chief_only(keras.callbacks.ReduceLROnPlateau)
 
 
 def files(folder: Path) -> list[str]:

@@ -6,6 +6,16 @@ import os
 import struct
 from pathlib import Path
 
+#: The environment of a process using the trackers with local stores alone: MLflow's file store
+#: allowed, and neither MLflow's usage reports nor W&B's error reports (each looks a host up).
+OFFLINE = {
+    "MLFLOW_ALLOW_FILE_STORE": "true",
+    "DO_NOT_TRACK": "true",
+    "WANDB_ERROR_REPORTING": "false",
+    "WANDB_SILENT": "true",
+}
+os.environ.update(OFFLINE)  # this process's too (it reads the stores)
+
 #: A W&B run file: a 7-byte header, then records in blocks of 32 KiB, each record split into
 #: chunks with a 7-byte header of their own (checksum, length, kind), as LevelDB's log writes.
 WANDB_MAGIC, BLOCK, CHUNK_HEADER = b":W&B", 32768, 7
@@ -14,7 +24,6 @@ WHOLE, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 def mlflow_runs(store: Path) -> list[dict]:
     """Each run in the MLflow file store `store`, of any experiment: {metric: [(step, value)]}."""
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(store.as_uri())

@@ -69,11 +69,23 @@ _TRACKERS = ("mlflow", "wandb")
 _MARKED = weakref.WeakSet()
 
 
+#: Callbacks that change training, which every process must run alike: never chief-only.
+_DECIDING = (
+    keras.callbacks.BackupAndRestore,
+    BackupAndRestore,
+    keras.callbacks.EarlyStopping,
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.LearningRateScheduler,
+    keras.callbacks.TerminateOnNaN,
+)
+
+
 def chief_only(callback):
     """Runs `callback` (a Keras callback, or a class of them) on the chief alone in a job of
     several processes, and returns it: for a callback that writes (a tracker's, a file, a
     message), which every process would otherwise run with the same logs. Such a callback must
-    not train, evaluate or predict: every process of a job takes part in each step.
+    not change training (stop it, change the learning rate) nor train, evaluate or predict: every
+    process of a job takes part in each step. Keras' callbacks that do are refused.
 
     Example:
 
@@ -88,6 +100,13 @@ def chief_only(callback):
         raise TypeError(
             f"kmirror.callbacks.chief_only takes a keras.callbacks.Callback or a subclass of it; "
             f"got {callback!r}."
+        )
+    kind = callback if isinstance(callback, type) else type(callback)
+    if issubclass(kind, _DECIDING):
+        raise ValueError(
+            f"kmirror.callbacks.chief_only: {kind.__name__} changes training, so every process "
+            "must run it (it decides alike everywhere from the same global logs, and kmirror "
+            "writes its files from the chief alone already): pass it to fit as it is."
         )
     _MARKED.add(callback)
     return callback
