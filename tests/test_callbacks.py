@@ -190,6 +190,16 @@ def test_mlflow_callback_logs_one_run_with_one_devices_metrics(job):
     assert_logged(logged[0], single_device_history())
 
 
+def test_an_mlflow_run_opened_on_the_chief_alone_is_the_jobs_one_run(job, tmp_path_factory):
+    """docs/callbacks.md's form: `mlflow.start_run()` on the chief alone, MLflow's callback given
+    to `fit` in every process (beside Keras' own callbacks): one run, one device's metrics."""
+    _, out, _ = job
+    runs = trackers.mlflow_runs(out / "mlruns" / "chief")
+    assert len(runs) == 1, f"{len(runs)} runs"
+    reference = tmp_path_factory.getbasetemp() / "keras-one-device"
+    assert_logged(runs[0], single_device_with_keras_callbacks(str(reference)))
+
+
 def test_mlflow_autolog_logs_one_run_with_one_devices_metrics(job):
     reducer, out, _ = job
     runs = trackers.mlflow_runs(out / "mlruns" / "autolog")
