@@ -1,5 +1,6 @@
-"""Chief-only, atomic checkpoints and summaries, and resuming after a crash, in one process
-(2 simulated devices), under Horovod (2 ranks) and with 2 multi-worker workers."""
+"""Chief-only, atomic checkpoints and summaries, experiment trackers (MLflow, W&B) and callbacks
+given to `chief_only` logging one run, and resuming after a crash, in one process (2 simulated
+devices), under Horovod (2 ranks) and with 2 multi-worker workers."""
 
 import functools
 import json
@@ -233,7 +234,7 @@ def test_a_callback_given_to_chief_only_runs_on_the_chief_alone(job):
 
 
 class Lines(keras.callbacks.Callback):
-    pass
+    """A callback class of the test's own."""
 
 
 def test_chief_only_marks_a_callback_or_a_class_and_refuses_anything_else():
