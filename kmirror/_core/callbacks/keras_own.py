@@ -220,15 +220,14 @@ def written_once(callbacks, job):
     check(callbacks)
     chosen, hooked = [], []
     for callback in callbacks:
-        given = _given_to_chief(callback)
-        if given and not job.is_chief:
+        if not job.is_chief and _given_to_chief(callback):
             continue
         if isinstance(callback, _OWN):
             chosen.append(callback)
         elif keras_hooks.saves_as_keras(callback):
             hooked.append(callback)
             chosen.append(callback)
-        elif given or not isinstance(callback, _CHIEF_ONLY) or job.is_chief:
+        elif not isinstance(callback, _CHIEF_ONLY) or job.is_chief:
             chosen.append(callback)
     with (
         keras_hooks.checkpoints_written_by(hooked, ChiefCheckpoint._write_checkpoint),
