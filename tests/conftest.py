@@ -2,8 +2,9 @@
 
 Tests pick 1 to 7 of them with `devices=cpus(n)`.
 
-`make test` runs the suite in 2 processes (pytest-xdist, `--dist loadgroup`): most of a test's time
-is tracing TensorFlow graphs in Python, on one core. Tests run in groups, one process per group:
+`make test` runs the suite in 3 processes on the 2 cores (pytest-xdist, `--dist loadgroup`): most of
+a test's time is tracing TensorFlow graphs in Python, on one core, and a third process uses a core
+while another waits on its jobs' processes. Tests run in groups, one process per group:
 each module's tests together (they share references and jobs), each deep model's together (they
 share its single-device reference), the feature matrix by replica count (its single-device
 references are shared by every process: tests/shared_cache.py), and the tests that launch jobs of
