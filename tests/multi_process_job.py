@@ -37,6 +37,7 @@ if REDUCER == "ring":
 
 import global_steps  # noqa: E402
 import keras  # noqa: E402
+import state_steps  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from features import FEATURES, MULTI_PROCESS, rows_seen, trained_state  # noqa: E402
 from features import fit as features_fit  # noqa: E402
@@ -277,8 +278,27 @@ def run_features(results):
         results["diverged"] = "trained"
     except ValueError as error:
         results["diverged"] = str(error)
+    if REDUCER == "ring":
+        run_backed_up_reached_state(results)
     # Threads the process holds after the matrix's thousands of collectives (Linux).
     results["threads"] = len(os.listdir("/proc/self/task"))
+
+
+def run_backed_up_reached_state(results):
+    """The gradient noise whose seed generator no walk finds (tests/state_steps.py), backed up
+    every 2 batches: uninterrupted, and crashed inside its second epoch then resumed by a new
+    model (the chief's folder alone holds the backup). A ring worker of one device finds the
+    generator in its step, so the backup holds it (a Horovod rank does not look)."""
+    feature = FEATURES["state_noisy_gradients"]
+    folder = os.path.join(OPTIONS.out, "reached-backup")  # the chief's; the others read none
+    whole = os.path.join(OPTIONS.out, "reached-whole")
+    build = state_steps.noisy_gradients
+    model = state_steps.fit_backed_up(kmirror.wrap(build(), reducer=REDUCER), feature, whole)
+    results["reached state, whole"] = state_steps.everything(model)
+    model = kmirror.wrap(build(), reducer=REDUCER)
+    state_steps.fit_backed_up(model, feature, folder, crash=(1, 1))
+    model = state_steps.fit_backed_up(kmirror.wrap(build(), reducer=REDUCER), feature, folder)
+    results["reached state, resumed"] = state_steps.everything(model)
 
 
 def save(out, rank, results):

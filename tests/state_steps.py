@@ -14,6 +14,8 @@ optimizer's variables too, an optimizer's inner one included).
   through `compute_loss` with an L2 regularizer's loss.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 from global_steps import FLOATX, WIDTH
@@ -156,3 +158,44 @@ def noisy_gradients():
 
 def added_loss():
     return _model(AddedLoss, keras.optimizers.SGD(0.1), regularizer="l2")
+
+
+class Crash(Exception):
+    """Raised by `CrashAt`: the process stops training there, as a crash would."""
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises `Crash` after batch `batch` of epoch `epoch` (0-based) is trained."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise Crash()
+
+
+def fit_backed_up(model, feature, backup_dir, crash=None):
+    """2 epochs of the feature's batches with kmirror's BackupAndRestore every 2 batches (each
+    step its own call: the batches skipped on resume); `crash` (epoch, batch) stops it there."""
+    import kmirror
+
+    x, y, _ = feature.data()
+    callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, save_freq=2)]
+    callbacks += [CrashAt(*crash)] if crash else []
+    with precision(FLOATX), contextlib.suppress(Crash):
+        model.fit(x, y, batch_size=feature.batch_size, epochs=2, verbose=0, callbacks=callbacks)
+    return model
+
+
+def everything(model: keras.Model) -> list:
+    """The weights, every optimizer's variables, and the noise's seed generator state."""
+    from features import trained_state
+
+    noise = getattr(model, "noise", None)
+    seed = [] if noise is None else [noise.seed.state.numpy()]
+    return trained_state(model) + seed

@@ -115,6 +115,7 @@ BAD_INPUT_ELSEWHERE = [
     "tests/test_callbacks.py::test_a_subclass_of_keras_backup_and_restore_is_refused_naming_kmirrors",
     "tests/test_callbacks.py::test_chief_only_marks_a_callback_or_a_class_and_refuses_anything_else",
     "tests/test_multi_worker.py::test_a_tf_config_not_joined_after_tensorflow_started_says_where_to_connect",
+    "tests/test_reached_state.py::test_a_backup_of_reached_state_another_program_wrote_is_refused_naming_the_fix",
 ]
 #: Every fault case (the table of docs/reliability.md).
 FAULTS = [

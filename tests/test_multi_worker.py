@@ -16,8 +16,9 @@ from pathlib import Path
 import jobs
 import numpy as np
 import pytest
+import state_steps
 from conftest import cpus
-from features import MULTI_PROCESS
+from features import FEATURES, MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
@@ -33,6 +34,7 @@ from multi_process import (
     reference,
     square_and_task,
 )
+from state_steps import everything, fit_backed_up
 
 import kmirror
 from kmirror import cluster
@@ -90,6 +92,23 @@ def launched(devices_per_worker: int, tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", MULTI_PROCESS)
 def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, name):
     assert_feature_equals_single_device(launched(1, tmp_path_factory), name)
+
+
+def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(tmp_path_factory):
+    """A seed generator held by an object that is not a layer, in a model's own step, on 2
+    workers of one device with kmirror's BackupAndRestore: uninterrupted, and crashed inside the
+    second epoch then resumed, each equals one device's uninterrupted run (its generator's state
+    too), in every process."""
+    feature = FEATURES["state_noisy_gradients"]
+    expected = everything(
+        fit_backed_up(state_steps.noisy_gradients(), feature, tmp_path_factory.mktemp("one"))
+    )
+    for rank in launched(1, tmp_path_factory):
+        for run in ("whole", "resumed"):
+            got = rank[f"reached state, {run}"]
+            assert len(got) == len(expected)
+            for a, b in zip(expected, got):
+                np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)
 
 
 def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):

@@ -3,7 +3,7 @@ replicas, given back by `unwrap` single-device and holding one device's values, 
 goes on where it stopped; and a variable that cannot be mirrored where it is held is refused,
 naming it and the fix, before anything runs."""
 
-import contextlib
+import json
 
 import keras
 import numpy as np
@@ -11,20 +11,14 @@ import pytest
 import state_steps
 import tensorflow as tf
 from conftest import cpus
-from features import FEATURES, fit, trained_state
+from features import FEATURES, fit
 from global_steps import FLOATX, labelled
 from real_models import precision
+from state_steps import everything, fit_backed_up
 
 import kmirror
 
 PROGRAMS = ["lookahead", "lookahead_own_step", "raw_buffers", "noisy_gradients"]
-
-
-def everything(model: keras.Model) -> list:
-    """The weights, every optimizer's variables, and the noise's seed generator state."""
-    noise = getattr(model, "noise", None)
-    seed = [] if noise is None else [noise.seed.state.numpy()]
-    return trained_state(model) + seed
 
 
 def assert_single_device(model: keras.Model) -> None:
@@ -104,26 +98,13 @@ def weights_file(path) -> dict:
     return arrays
 
 
-def fit_backed_up(model, feature, backup_dir, crash=None):
-    """2 epochs of the feature's batches with kmirror's BackupAndRestore every 2 batches (each
-    step its own call: the batches skipped on resume); `crash` (epoch, batch) stops it there."""
-    from test_backup import Crash, CrashAt
-
-    x, y, _ = feature.data()
-    callbacks = [kmirror.callbacks.BackupAndRestore(backup_dir, save_freq=2)]
-    callbacks += [CrashAt(*crash)] if crash else []
-    with precision(FLOATX), contextlib.suppress(Crash):
-        model.fit(x, y, batch_size=feature.batch_size, epochs=2, verbose=0, callbacks=callbacks)
-    return model
-
-
 @pytest.mark.parametrize("name", ["lookahead", "noisy_gradients"])
 def test_saved_and_backed_up_state_is_one_devices(name, tmp_path):
     """On 3 replicas: training with kmirror's backups every 2 batches is one device's, and so is
     the weights file (the wrapper's inner Adam and slow weights too). A crash inside the second
-    epoch resumes there, each step its own call: the Lookahead to the uninterrupted run, its
-    inner Adam's state restored; the gradient noise, whose seed generator is held by an object
-    Keras' weights file does not hold, draws as one device draws in the batches left."""
+    epoch resumes there to the uninterrupted run, each step its own call: the Lookahead's inner
+    Adam's state restored, and the gradient noise's seed generator, held by an object no
+    weights file holds (the backup writes it beside the weights)."""
     feature, build = FEATURES[f"state_{name}"], getattr(state_steps, name)
     expected = fit_backed_up(build(), feature, tmp_path / "one")
     wrapped = fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, tmp_path / "whole")
@@ -143,19 +124,31 @@ def test_saved_and_backed_up_state_is_one_devices(name, tmp_path):
 
     folder = tmp_path / "crashed"
     fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, folder, crash=(1, 1))
+    if name == "noisy_gradients":  # the generator's state, beside the weights
+        assert len(list(folder.glob("*.reached.npz"))) == 1
     resumed = fit_backed_up(kmirror.wrap(build(), devices=cpus(3)), feature, folder)
-    if name == "lookahead":
-        assert_same_state(everything(expected), everything(resumed))
-    else:  # a generator no weights file holds starts again at the relaunch, and draws as one
-        # device draws in the batches after the backup (each step its own call)
-        crashed = fit_backed_up(build(), feature, tmp_path / "one crashed", crash=(1, 1))
-        np.testing.assert_array_equal(
-            drawn(resumed) - drawn(build()), drawn(expected) - drawn(crashed)
-        )
+    assert_same_state(everything(expected), everything(resumed))
 
 
-def drawn(model) -> np.ndarray:
-    return model.noise.seed.state.numpy()
+def test_a_backup_of_reached_state_another_program_wrote_is_refused_naming_the_fix(tmp_path):
+    """A backup whose reached state (the seed generator's, beside the weights) does not match the
+    program's (its file written by another program, named with its checksum): refused at the
+    first step, naming the fix; the backup's files are left as they were."""
+    from kmirror._core.files import digest
+
+    feature, folder = FEATURES["state_noisy_gradients"], tmp_path / "backup"
+    build = state_steps.noisy_gradients
+    fit_backed_up(kmirror.wrap(build(), devices=cpus(2)), feature, folder, crash=(1, 1))
+    index = json.loads((folder / "backup.json").read_text())
+    reached = folder / index["reached"]
+    with reached.open("wb") as f:
+        np.savez(f, state0=np.zeros(3, np.int32))
+    index["reached_sha256"] = digest(reached)
+    (folder / "backup.json").write_text(json.dumps(index))
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match="written by another program. Delete the backup folder"):
+        fit_backed_up(kmirror.wrap(build(), devices=cpus(2)), feature, folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
 
 
 def assert_same_state(expected: list, actual: list) -> None:

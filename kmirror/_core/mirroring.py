@@ -19,13 +19,8 @@ list item or dict value that holds it holds a mirrored `tf.Variable` with its va
 `unmirror` puts the user's variable back with the trained value. Every replica then writes its
 own copy, as it does a Keras variable's.
 
-Example:
-
-```python
-mirror = Mirror(reducer)
-mirror.mirror(model)        # model's state now has one copy per replica
-mirror.unmirror(model)      # single-device again
-```
+Example: `mirror = Mirror(reducer); mirror.mirror(model)` (one copy per replica), then
+`mirror.unmirror(model)` (single-device again).
 """
 
 from __future__ import annotations
@@ -132,10 +127,12 @@ class Mirror:
         self._raw.append((holder, key, variable))
         return made
 
-    def adopt_written(self, handles: list) -> None:
+    def adopt_written(self, handles: list) -> list:
         """Mirrors the variables behind `handles`, which a traced step writes and no walk found
         (`_core.reached_state`): a Keras variable gets mirrored storage, a raw `tf.Variable` a
-        mirrored stand-in wherever it is held; each is single-device again at `unmirror`."""
+        mirrored stand-in wherever it is held; each is single-device again at `unmirror`.
+        Returns what the step writes now, in order: the Keras variables and the stand-ins."""
+        adopted = []
         for handle in handles:
             variable = holding.variable_of(handle)
             owner = None if variable is None else holding.keras_owner(variable)
@@ -143,11 +140,13 @@ class Mirror:
                 with self.scope():
                     keras_hooks.store(owner, variable.read_value())
                 self._written.append(owner)
-                continue
-            for holder, key in holding.replaceable(variable):
-                self._put_stand_in(holder, key, variable)
+            else:
+                for holder, key in holding.replaceable(variable):
+                    self._put_stand_in(holder, key, variable)
+            adopted.append(owner if owner is not None else self._stand_ins[id(variable)][1])
         for optimizer in list(self._optimizers):
             keras_hooks.reindex(optimizer)
+        return adopted
 
     def train(self, optimizer) -> None:
         """`optimizer` applies each replica's summed gradient on the replica, and builds its

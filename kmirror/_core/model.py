@@ -97,6 +97,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         self._model = model  # tracked by Keras as this model's one layer
         self._reducer = reducer
         self._mirror = mirroring.Mirror(reducer)
+        self._reached = reached_state.Kept()  # state the steps reached that no walk found
         reached_state.install()
         self._sync_batch_norm = bool(sync_batch_norm)
         if prefetch is None:
@@ -380,6 +381,17 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         loaded a backup); a no-op within one process."""
         self._chief.send()
 
+    def reached_state(self) -> list:
+        """The values of the state the steps write that the model does not hold (a seed
+        generator or a `tf.Variable` on another object), which no weights file holds: in the
+        order the steps found it (`_core.reached_state.Kept`). A backup writes them."""
+        return self._reached.values()
+
+    def restore_reached_state(self, values: list) -> None:
+        """A backup's `reached_state` (the chief's): given to that state now, or as the steps
+        find it again; every process takes the chief's then."""
+        self._reached.restore(values)
+
     # Keras makes a step function before the first batch of every fit, evaluate and predict:
     # where every process takes the chief's state, if it may differ.
     def make_train_function(self, force=False):
@@ -428,7 +440,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
             # other strategy's scope may be entered: mirrored from a thread of its own, as
             # outside any step.
             with concurrent.futures.ThreadPoolExecutor(1) as outside:
-                outside.submit(self._mirror.adopt_written, handles).result()
+                outside.submit(self._adopt_written, handles).result()
 
         if not reached_state.looked_at(step_fn, data, adopt):
             warnings.warn(
@@ -443,7 +455,14 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
     def _retrying(self, function):
         """`function`, which mirrors the state its trace finds it writes unmirrored and traces
         again (`_core.reached_state`)."""
-        return reached_state.retrying(function, self._mirror.adopt_written)
+        return reached_state.retrying(function, self._adopt_written)
+
+    def _adopt_written(self, handles: list) -> None:
+        """Mirrors the state a step writes that no walk found; every process then holds the
+        chief's values of it (a backup's, after a relaunch)."""
+        adopted = self._mirror.adopt_written(handles)
+        self._reached.found(adopted)
+        self._reducer.job.broadcast(adopted)
 
     def _one_call_per_step(self, training: bool = False) -> bool:
         if training and self._fit is not None and self._fit.draws_in_python:
@@ -451,9 +470,11 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         return not self._reducer.steps_in_one_call and self.steps_per_execution > 1
 
     def _shared_variables(self) -> list:
-        """What every process takes from the chief: the weights and every optimizer's state."""
+        """What every process takes from the chief: the weights, every optimizer's state and the
+        state the steps reached."""
         optimizers = mirroring.optimizers(self._model)
-        return self._model.variables + [v for o in optimizers for v in o.variables]
+        shared = self._model.variables + [v for o in optimizers for v in o.variables]
+        return shared + self._reached.variables()
 
     # -- files, and leaving kmirror -------------------------------------------------------------
     def save(self, filepath, overwrite=True, zipped=None, **kwargs):

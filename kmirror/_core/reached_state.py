@@ -8,12 +8,18 @@ optimizer tracks, a module's variable. Written by every replica, such a variable
 written once per replica (a seed generator advancing, and drawing anew, for each), where one
 device writes it once. So while one of kmirror's replicas is traced, every op writing a variable
 is checked as it is made (`tf_hooks.graphs.watch_ops`): one whose variable the step captured from
-outside and is not a copy of a distributed variable is recorded (`_written`), where the process
-runs several replicas (a Horovod rank runs one, which writes its variables once, as one device).
-When the step's trace returns (`check`, on the thread that traced it), `Unmirrored` is raised,
-before anything ran; `retrying` then mirrors those variables (`Mirror.adopt_written`) and calls
-the step again, which traces it again. An eager step makes no graph: before it first runs on
-several replicas it is traced once for this look alone, never run (`looked_at`).
+outside and is not a copy of a distributed variable is recorded (`_written`). When the step's
+trace returns (`check`, on the thread that traced it), `Unmirrored` is raised, before anything
+ran; `retrying` then mirrors those variables (`Mirror.adopt_written`) and calls the step again,
+which traces it again. This holds for a process of one replica too (a ring worker of one
+device), whose variables are distributed all the same, so that every process takes the chief's
+value of what was found, and a backup holds it; not on a strategy whose variables are not (a
+Horovod rank's `OneDeviceStrategy`), where such a write cannot be told from another and the one
+replica writes its variable once, as one device. An eager step makes no graph: before it first
+runs on several replicas it is traced once for this look alone, never run (`looked_at`).
+
+No weights file holds such state, so `Kept` holds what was mirrored, in the order found: a
+backup writes its values, and a relaunch gives them back to it as its steps find it again.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from kmirror._core import replicas
 from kmirror._core.tf_hooks import graphs
 
-__all__ = ["Unmirrored", "install", "check", "looked_at", "retrying"]
+__all__ = ["Unmirrored", "Kept", "install", "check", "looked_at", "retrying"]
 
 _lock = threading.Lock()
 _written: dict = {}  # id(handle) -> the handle of each unmirrored variable a replica wrote
@@ -52,7 +59,7 @@ def install() -> None:
 def _check_op(op_type: str, inputs, attrs) -> None:
     if not inputs or not graphs.variable_write(op_type) or not replicas.in_replica():
         return
-    if replicas.local_count() < 2:  # one replica in this process: it writes the variable once
+    if not replicas.distributes_variables():  # every variable reads as not distributed
         return
     handle = graphs.captured_handle(inputs[0])
     if handle is not None and not graphs.distributed(handle):
@@ -115,3 +122,44 @@ def retrying(function: Callable, adopt: Callable[[list], None]) -> Callable:
                 adopt(found.handles)
 
     return call
+
+
+class Kept:
+    """The state a model's steps reached, mirrored (`Mirror.adopt_written`), in the order found;
+    and a backup's values of it, given to each as a relaunched step finds it again."""
+
+    def __init__(self) -> None:
+        self._found: list = []
+        self._pending: list[np.ndarray] = []
+
+    def variables(self) -> list:
+        return list(self._found)
+
+    def values(self) -> list[np.ndarray]:
+        return [np.asarray(v.numpy()) for v in self._found]
+
+    def found(self, variables: list) -> None:
+        """`variables` were mirrored now: each takes the backup's value at its place, if any."""
+        for variable in variables:
+            self._found.append(variable)
+            place = len(self._found) - 1
+            if place < len(self._pending):
+                _assign(variable, self._pending[place], place)
+
+    def restore(self, values: list[np.ndarray]) -> None:
+        """A backup's values: given now to the state found already, the rest as it is found."""
+        self._pending = list(values)
+        for place, variable in enumerate(self._found[: len(values)]):
+            _assign(variable, values[place], place)
+
+
+def _assign(variable, value: np.ndarray, place: int) -> None:
+    dtype = np.dtype(tf.as_dtype(variable.dtype).as_numpy_dtype)
+    if tuple(variable.shape) != value.shape or dtype != value.dtype:
+        raise ValueError(
+            f"kmirror.callbacks.BackupAndRestore: the backup holds state the step reaches "
+            f"(number {place + 1}, {value.dtype}{list(value.shape)}) that this program's step "
+            f"holds as {dtype}{list(variable.shape)}: the backup was written by another "
+            "program. Delete the backup folder to train from the start."
+        )
+    variable.assign(value)

@@ -8,7 +8,7 @@ import weakref
 
 import tensorflow as tf
 
-__all__ = ["register", "in_replica", "local_count"]
+__all__ = ["register", "in_replica", "distributes_variables"]
 
 _strategies = weakref.WeakSet()
 
@@ -25,6 +25,7 @@ def in_replica() -> bool:
     return tf.distribute.get_strategy() in _strategies
 
 
-def local_count() -> int:
-    """How many replicas the current strategy runs in this process (a Horovod rank runs one)."""
-    return len(tf.distribute.get_strategy().extended.worker_devices)
+def distributes_variables() -> bool:
+    """Whether the current strategy gives each variable made in its scope a copy per replica
+    (a distributed variable): not `OneDeviceStrategy` (a Horovod rank's), whose are plain."""
+    return not isinstance(tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy)

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import keras
+import numpy as np
 
 from kmirror._core import cluster, keras_hooks
 from kmirror._core.callbacks.backup_folder import INDEX, Backup, Position, latest
@@ -32,9 +33,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     A backup is a weights file and a small `backup.json` naming it with a checksum, each written
     under a temporary name and renamed into place, so a crash at any moment leaves a complete
-    backup. The backup is deleted when training ends normally (unless `delete_checkpoint=False`).
-    On `SIGTERM` a wrapped model's `fit` backs up where training stands and exits
-    (`_core.callbacks.preemption`).
+    backup. State a wrapped model's steps write that the model does not hold (a seed generator
+    or a `tf.Variable` on another object: no weights file holds it) is written beside it, in a
+    `.reached.npz` file, and resumed too. The backup is deleted when training ends normally
+    (unless `delete_checkpoint=False`). On `SIGTERM` a wrapped model's `fit` backs up where
+    training stands and exits (`_core.callbacks.preemption`).
 
     Example:
 
@@ -71,8 +74,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = bool(delete_checkpoint)
         self._index = self.backup_dir / INDEX
-        #: Set by a kmirror model's fit: the position every process resumes from, and the file.
-        self._agreed: tuple[Position, Path | None] | None = None
+        #: Set by a kmirror model's fit: the position every process resumes from, and the files
+        #: (the weights, the state the steps reached).
+        self._agreed: tuple[Position, Path | None, Path | None] | None = None
         self._position = Position(0, 0)
         self._first_step = 0  # batches of the current epoch trained before this fit
         self._since_backup = 0
@@ -90,10 +94,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         and `double_checkpoint` kept it); None when there is none."""
         return latest(self.backup_dir, self.double_checkpoint)
 
-    def resume_from(self, position: Position | None, weights: Path | None) -> None:
+    def resume_from(
+        self, position: Position | None, weights: Path | None, reached: Path | None = None
+    ) -> None:
         """Called by a kmirror model's `fit` before training, on every process: the chief's
-        position (None: no backup), and this process's file to load (the chief's only)."""
-        self._agreed = None if position is None else (position, weights)
+        position (None: no backup), and this process's files to load (the chief's only)."""
+        self._agreed = None if position is None else (position, weights, reached)
 
     # -- Keras' callback hooks -----------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -108,11 +114,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._ended_at = Position(0, 0)
         if agreed is None:
             return
-        position, weights = agreed
+        position, weights, reached = agreed
         if model.optimizer is not None and not model.optimizer.built:
             raise ValueError("BackupAndRestore needs a built model; call it on a batch first.")
         if weights is not None:
             model.load_weights(weights)
+        if reached is not None:
+            with np.load(reached) as values:
+                model.restore_reached_state([values[k] for k in sorted(values, key=_place)])
         if hasattr(model, "take_chief_state"):
             model.take_chief_state()  # every process: the chief's loaded state
         keras_hooks.resume_at_epoch(model, position.epoch)
@@ -126,14 +135,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         found = self.latest()
         if found is None:
             return None
-        position, weights, _ = found
+        position, weights = found.position, found.weights
         if position.step:
             warnings.warn(
                 f"kmirror: this model is not a kmirror.wrap model: training restarts epoch "
                 f"{position.epoch + 1} from its first batch, as Keras' BackupAndRestore does.",
                 stacklevel=2,
             )
-        return Position(position.epoch, 0), weights
+        return Position(position.epoch, 0), weights, None
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self._position.epoch:
@@ -154,7 +163,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._back_up(done, inside_epoch=False)
         elif self._every and self._backed_up == self._position and cluster.is_chief(self.model):
             # The last backup holds the whole epoch: resume at the next one.
-            self._write_index(done, self._written["weights"], self._written["sha256"], False)
+            self._write_index(done, self._written, False)
         self._first_step = 0
 
     def on_train_end(self, logs=None):
@@ -166,7 +175,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         `delete_checkpoint=False`)."""
         if self.delete_checkpoint and cluster.is_chief(self.model) and self._index.exists():
             self._index.unlink()
-            for file in self.backup_dir.glob("*.weights.h5"):
+            for file in _files(self.backup_dir):
                 file.unlink(missing_ok=True)
             if not any(self.backup_dir.iterdir()):
                 os.rmdir(self.backup_dir)
@@ -189,28 +198,40 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._backed_up = position
         if not cluster.is_chief(self.model):
             return
-        weights = f"epoch{position.epoch:05d}-step{position.step:07d}.weights.h5"
-        with atomic_path(self.backup_dir / weights) as partial:
+        name = f"epoch{position.epoch:05d}-step{position.step:07d}"
+        with atomic_path(self.backup_dir / f"{name}.weights.h5") as partial:
             self.model.save_weights(partial, overwrite=True)
-        self._write_index(position, weights, digest(self.backup_dir / weights), inside_epoch)
+        files = {"weights": f"{name}.weights.h5"}
+        reached = getattr(self.model, "reached_state", list)()
+        if reached:
+            path = self.backup_dir / f"{name}.reached.npz"
+            with atomic_path(path) as partial, open(partial, "wb") as f:
+                np.savez(f, **{f"state{i}": value for i, value in enumerate(reached)})
+            files["reached"] = f"{name}.reached.npz"
+        files["sha256"] = digest(self.backup_dir / files["weights"])
+        if reached:
+            files["reached_sha256"] = digest(self.backup_dir / files["reached"])
+        self._write_index(position, files, inside_epoch)
 
-    def _write_index(self, position, weights: str, sha256: str, inside_epoch: bool) -> None:
+    def _write_index(self, position, files: dict, inside_epoch: bool) -> None:
+        """Names the backup's `files` (its weights file, the state the steps reached, and their
+        checksums) at `position`."""
         before = self._written
-        entry = {
-            "epoch": position.epoch,
-            "step": position.step,
-            "weights": weights,
-            "sha256": sha256,
-            "python_random": self._python_random(inside_epoch),
-        }
+        weights = files["weights"]
+        entry = {"epoch": position.epoch, "step": position.step}
+        entry.update(
+            {k: files[k] for k in ("weights", "sha256", "reached", "reached_sha256") if k in files}
+        )
+        entry["python_random"] = self._python_random(inside_epoch)
         previous = before if before.get("weights") != weights else before.get("previous")
         if self.double_checkpoint and previous:
             entry["previous"] = {k: v for k, v in previous.items() if k != "previous"}
         with atomic_path(self._index) as partial, open(partial, "w") as f:
             json.dump(entry, f)
         self._written = entry
-        kept = {weights, entry.get("previous", {}).get("weights")}
-        for old in self.backup_dir.glob("*.weights.h5"):
+        kept = {entry.get(k) for k in ("weights", "reached")}
+        kept |= {entry.get("previous", {}).get(k) for k in ("weights", "reached")}
+        for old in _files(self.backup_dir):
             if old.name not in kept:
                 old.unlink(missing_ok=True)
 
@@ -223,3 +244,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             drawn = getattr(self.model, "batch_order_drawn_from", lambda: None)()
         _, words, _ = drawn or random.getstate()
         return list(words)
+
+
+def _files(folder: Path) -> list[Path]:
+    """The backups' files in `folder`: weights, and the state the steps reached."""
+    return [*folder.glob("*.weights.h5"), *folder.glob("*.reached.npz")]
+
+
+def _place(key: str) -> int:
+    return int(key.removeprefix("state"))

@@ -25,12 +25,14 @@ class Position(NamedTuple):
 
 
 class Backup(NamedTuple):
-    """A backup found in the folder: its position, its weights file, and the state of Python's
-    `random` module the resumed epoch draws its batch order from."""
+    """A backup found in the folder: its position, its weights file, the state of Python's
+    `random` module the resumed epoch draws its batch order from, and the file of the state the
+    steps reached that no weights file holds (None: there was none)."""
 
     position: Position
     weights: Path
     python_random: list[int]
+    reached: Path | None = None
 
 
 def latest(folder: Path, double_checkpoint: bool) -> Backup | None:
@@ -47,9 +49,12 @@ def latest(folder: Path, double_checkpoint: bool) -> Backup | None:
     entries = [state, *([state["previous"]] if state.get("previous") else [])]
     for number, entry in enumerate(entries):
         weights = folder / entry["weights"]
-        if weights.exists() and digest(weights) == entry["sha256"]:
+        reached = folder / entry["reached"] if entry.get("reached") else None
+        if _intact(weights, entry["sha256"]) and (
+            reached is None or _intact(reached, entry["reached_sha256"])
+        ):
             position = Position(entry["epoch"], entry["step"])
-            return Backup(position, weights, entry["python_random"])
+            return Backup(position, weights, entry["python_random"], reached)
         more = number + 1 < len(entries)
         warnings.warn(
             f"kmirror: the backup {weights} is missing or corrupt"
@@ -58,6 +63,10 @@ def latest(folder: Path, double_checkpoint: bool) -> Backup | None:
         )
     what = f"{entries[-1]['weights']} is missing or corrupt"
     raise ValueError(_corrupt(folder, what, double_checkpoint))
+
+
+def _intact(file: Path, sha256: str) -> bool:
+    return file.exists() and digest(file) == sha256
 
 
 def _corrupt(folder: Path, what: str, double_checkpoint: bool) -> str:

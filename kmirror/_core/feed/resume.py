@@ -69,7 +69,7 @@ def agree(reducer: Reducer, arguments: dict) -> Position | None:
         step = 0
     _take_chief_python_random(reducer, found.python_random if found else None)
     position = Position(epoch, step)
-    backup.resume_from(position, found.weights if found else None)
+    backup.resume_from(position, *((found.weights, found.reached) if found else (None, None)))
     return position
 
 
