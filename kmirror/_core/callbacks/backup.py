@@ -9,10 +9,17 @@ import warnings
 from pathlib import Path
 
 import keras
-import numpy as np
 
 from kmirror._core import cluster, keras_hooks
-from kmirror._core.callbacks.backup_folder import INDEX, Backup, Position, latest
+from kmirror._core.callbacks.backup_folder import (
+    INDEX,
+    Backup,
+    Position,
+    files,
+    latest,
+    read_reached,
+    write_reached,
+)
 from kmirror._core.files import atomic_path, check_writable, digest
 
 __all__ = ["BackupAndRestore", "Position", "Backup"]
@@ -120,8 +127,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if weights is not None:
             model.load_weights(weights)
         if reached is not None:
-            with np.load(reached) as values:
-                model.restore_reached_state([values[k] for k in sorted(values, key=_place)])
+            model.restore_reached_state(read_reached(reached))
         if hasattr(model, "take_chief_state"):
             model.take_chief_state()  # every process: the chief's loaded state
         keras_hooks.resume_at_epoch(model, position.epoch)
@@ -175,7 +181,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         `delete_checkpoint=False`)."""
         if self.delete_checkpoint and cluster.is_chief(self.model) and self._index.exists():
             self._index.unlink()
-            for file in _files(self.backup_dir):
+            for file in files(self.backup_dir):
                 file.unlink(missing_ok=True)
             if not any(self.backup_dir.iterdir()):
                 os.rmdir(self.backup_dir)
@@ -201,27 +207,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         name = f"epoch{position.epoch:05d}-step{position.step:07d}"
         with atomic_path(self.backup_dir / f"{name}.weights.h5") as partial:
             self.model.save_weights(partial, overwrite=True)
-        files = {"weights": f"{name}.weights.h5"}
+        written = {"weights": f"{name}.weights.h5"}
+        written["sha256"] = digest(self.backup_dir / written["weights"])
         reached = getattr(self.model, "reached_state", list)()
-        if reached:
-            path = self.backup_dir / f"{name}.reached.npz"
-            with atomic_path(path) as partial, open(partial, "wb") as f:
-                np.savez(f, **{f"state{i}": value for i, value in enumerate(reached)})
-            files["reached"] = f"{name}.reached.npz"
-        files["sha256"] = digest(self.backup_dir / files["weights"])
-        if reached:
-            files["reached_sha256"] = digest(self.backup_dir / files["reached"])
-        self._write_index(position, files, inside_epoch)
+        written.update(write_reached(self.backup_dir, name, reached) if reached else {})
+        self._write_index(position, written, inside_epoch)
 
-    def _write_index(self, position, files: dict, inside_epoch: bool) -> None:
-        """Names the backup's `files` (its weights file, the state the steps reached, and their
-        checksums) at `position`."""
+    def _write_index(self, position, written: dict, inside_epoch: bool) -> None:
+        """Names the backup's files (`written`: its weights file, the state the steps reached,
+        and their checksums) at `position`."""
         before = self._written
-        weights = files["weights"]
+        weights = written["weights"]
+        names = ("weights", "sha256", "reached", "reached_sha256")
         entry = {"epoch": position.epoch, "step": position.step}
-        entry.update(
-            {k: files[k] for k in ("weights", "sha256", "reached", "reached_sha256") if k in files}
-        )
+        entry.update({k: written[k] for k in names if k in written})
         entry["python_random"] = self._python_random(inside_epoch)
         previous = before if before.get("weights") != weights else before.get("previous")
         if self.double_checkpoint and previous:
@@ -231,7 +230,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._written = entry
         kept = {entry.get(k) for k in ("weights", "reached")}
         kept |= {entry.get("previous", {}).get(k) for k in ("weights", "reached")}
-        for old in _files(self.backup_dir):
+        for old in files(self.backup_dir):
             if old.name not in kept:
                 old.unlink(missing_ok=True)
 
@@ -244,12 +243,3 @@ class BackupAndRestore(keras.callbacks.Callback):
             drawn = getattr(self.model, "batch_order_drawn_from", lambda: None)()
         _, words, _ = drawn or random.getstate()
         return list(words)
-
-
-def _files(folder: Path) -> list[Path]:
-    """The backups' files in `folder`: weights, and the state the steps reached."""
-    return [*folder.glob("*.weights.h5"), *folder.glob("*.reached.npz")]
-
-
-def _place(key: str) -> int:
-    return int(key.removeprefix("state"))

@@ -1,6 +1,7 @@
 """What a backup folder holds: where training stood (`Position`), and the newest intact backup in
-it (`latest`), as `BackupAndRestore` writes them: a weights file, and `backup.json` naming it
-with its checksum (and, with `double_checkpoint`, the previous one)."""
+it (`latest`), as `BackupAndRestore` writes them: a weights file, the values of the state the
+steps reached that no weights file holds (`write_reached`), and `backup.json` naming them with
+their checksums (and, with `double_checkpoint`, the previous ones)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from kmirror._core.files import digest
+import numpy as np
 
-__all__ = ["Position", "Backup", "INDEX", "latest"]
+from kmirror._core.files import atomic_path, digest
+
+__all__ = ["Position", "Backup", "INDEX", "latest", "files", "write_reached", "read_reached"]
 
 #: The file naming the backup, in the backup folder.
 INDEX = "backup.json"
@@ -76,3 +79,22 @@ def _corrupt(folder: Path, what: str, double_checkpoint: bool) -> str:
         f"kmirror.callbacks.BackupAndRestore: the backup in {folder} cannot be "
         f"resumed: {what}. Delete the folder to train from the start{fallback}."
     )
+
+
+def files(folder: Path) -> list[Path]:
+    """The backups' files in `folder`: weights, and the state the steps reached."""
+    return [*folder.glob("*.weights.h5"), *folder.glob("*.reached.npz")]
+
+
+def write_reached(folder: Path, name: str, values: list[np.ndarray]) -> dict:
+    """Writes `values` (the state the steps reached, in order) as `name.reached.npz`; its
+    entry in `backup.json`."""
+    path = folder / f"{name}.reached.npz"
+    with atomic_path(path) as partial, open(partial, "wb") as f:
+        np.savez(f, **{f"state{i}": value for i, value in enumerate(values)})
+    return {"reached": path.name, "reached_sha256": digest(path)}
+
+
+def read_reached(path: Path) -> list[np.ndarray]:
+    with np.load(path) as values:
+        return [values[k] for k in sorted(values, key=lambda k: int(k.removeprefix("state")))]

@@ -175,11 +175,11 @@ class _StandIn(BackupAndRestore):
         super().on_epoch_end(epoch, logs)
         self._show(_current_epoch=epoch + 1, _last_batch_seen=0)
 
-    def _write_index(self, position, files: dict, inside_epoch: bool) -> None:
-        super()._write_index(position, files, inside_epoch)
+    def _write_index(self, position, written: dict, inside_epoch: bool) -> None:
+        super()._write_index(position, written, inside_epoch)
         previous = self._written.get("previous", {}).get("weights")
         self._show(
-            _weights_path=str(self.backup_dir / files["weights"]),
+            _weights_path=str(self.backup_dir / written["weights"]),
             _training_metadata_path=str(self._index),
             **(
                 {
