@@ -22,6 +22,25 @@ def dense_data(n=N_SAMPLES, features=8, classes=3, seed=0):
     return x, y
 
 
+class Crash(Exception):
+    """Raised by `CrashAt`: the process stops training there, as a crash would."""
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises `Crash` after batch `batch` of epoch `epoch` (0-based) is trained."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise Crash()
+
+
 class Rows(kmirror.data.RowDataset):
     """`x` and `y` in batches of `batch_size`, loaded row by row; `loaded` lists the rows loaded."""
 

@@ -21,6 +21,7 @@ import tensorflow as tf
 from global_steps import FLOATX, WIDTH
 from keras import layers as L
 from keras import ops
+from models import Crash, CrashAt
 from real_models import precision
 
 SYNC_EVERY = 3
@@ -158,25 +159,6 @@ def noisy_gradients():
 
 def added_loss():
     return _model(AddedLoss, keras.optimizers.SGD(0.1), regularizer="l2")
-
-
-class Crash(Exception):
-    """Raised by `CrashAt`: the process stops training there, as a crash would."""
-
-
-class CrashAt(keras.callbacks.Callback):
-    """Raises `Crash` after batch `batch` of epoch `epoch` (0-based) is trained."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise Crash()
 
 
 def fit_backed_up(model, feature, backup_dir, crash=None):

@@ -20,32 +20,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import cpus
-from models import BATCH, dense_data, dense_model
+from models import BATCH, Crash, CrashAt, dense_data, dense_model
 
 import kmirror
 
 HERE = Path(__file__).parent
 
 EPOCHS = 4  # of 4 batches (101 rows in batches of 33)
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(keras.callbacks.Callback):
-    """Raises after batch `batch` of epoch `epoch` (0-based) is trained."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise Crash()
 
 
 class Batches(keras.callbacks.Callback):
