@@ -5,6 +5,7 @@ import functools
 
 import global_steps
 import numpy as np
+import state_steps
 from features import FEATURES, assert_same_logs, one_device
 from models import (
     BATCH,
@@ -17,6 +18,7 @@ from models import (
     multi_io_model,
 )
 from real_models import precision
+from state_steps import everything, fit_backed_up
 
 EPOCHS = 3  # as in multi_process_job.py
 #: Each process's batch in the "local batches" scenario (the job's: one per process).
@@ -93,6 +95,21 @@ def assert_feature_equals_single_device(ranks, name):
         assert len(weights.get_weights()) == len(model.get_weights())
         assert max_weight_difference(model, weights) < FEATURES[name].tolerance
         assert_same_logs(FEATURES[name], history, rank[scenario]["history"])
+
+
+def assert_backed_up_reached_state_equals_single_device(ranks, folder):
+    """A seed generator held by an object that is not a layer, in a model's own step, with
+    kmirror's BackupAndRestore (tests/multi_process_job.py): uninterrupted, and crashed inside
+    the second epoch then resumed, each equals one device's uninterrupted run (its generator's
+    state too), in every process."""
+    feature = FEATURES["state_noisy_gradients"]
+    expected = everything(fit_backed_up(state_steps.noisy_gradients(), feature, folder))
+    for rank in ranks:
+        for run in ("whole", "resumed"):
+            got = rank[f"reached state, {run}"]
+            assert len(got) == len(expected)
+            for a, b in zip(expected, got):
+                np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)
 
 
 def assert_every_process_raised_for_a_diverged_weight(ranks):

@@ -278,8 +278,7 @@ def run_features(results):
         results["diverged"] = "trained"
     except ValueError as error:
         results["diverged"] = str(error)
-    if REDUCER == "ring":
-        run_backed_up_reached_state(results)
+    run_backed_up_reached_state(results)
     # Threads the process holds after the matrix's thousands of collectives (Linux).
     results["threads"] = len(os.listdir("/proc/self/task"))
 
@@ -287,8 +286,8 @@ def run_features(results):
 def run_backed_up_reached_state(results):
     """The gradient noise whose seed generator no walk finds (tests/state_steps.py), backed up
     every 2 batches: uninterrupted, and crashed inside its second epoch then resumed by a new
-    model (the chief's folder alone holds the backup). A ring worker of one device finds the
-    generator in its step, so the backup holds it (a Horovod rank does not look)."""
+    model (the chief's folder alone holds the backup). A process of one replica (a Horovod rank,
+    a ring worker of one device) finds the generator in its step, so the backup holds it."""
     feature = FEATURES["state_noisy_gradients"]
     folder = os.path.join(OPTIONS.out, "reached-backup")  # the chief's; the others read none
     whole = os.path.join(OPTIONS.out, "reached-whole")

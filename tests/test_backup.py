@@ -23,6 +23,8 @@ from conftest import cpus
 from models import BATCH, Crash, CrashAt, dense_data, dense_model
 
 import kmirror
+from kmirror._core.callbacks import backup_folder
+from kmirror._core.files import digest
 
 HERE = Path(__file__).parent
 
@@ -337,6 +339,34 @@ def test_a_corrupt_latest_backup_falls_back_to_the_previous_one(tmp_path):
         resumed, trained, _ = train(backup, "dataset", save_freq=2, double_checkpoint=True)
     assert trained == 8, "resumed at epoch 2's start, the previous backup"
     assert_same_state(whole, state(resumed))
+
+
+def test_a_corrupt_file_of_reached_state_is_the_one_named_and_the_previous_backup_taken(tmp_path):
+    """A backup whose weights are intact but whose reached state's file is not: the warning
+    names that file, and the previous backup is the one resumed."""
+    entries = []
+    for number in range(2):
+        names = {"weights": f"{number}.weights.h5", "reached": f"{number}.reached.npz"}
+        for name in names.values():
+            (tmp_path / name).write_bytes(name.encode())
+        entries.append(
+            {
+                "epoch": number,
+                "step": 0,
+                "python_random": [],
+                **names,
+                "sha256": digest(tmp_path / names["weights"]),
+                "reached_sha256": digest(tmp_path / names["reached"]),
+            }
+        )
+    index = {**entries[1], "previous": entries[0]}
+    (tmp_path / backup_folder.INDEX).write_text(json.dumps(index))
+    (tmp_path / "1.reached.npz").write_bytes(b"truncated")
+
+    with pytest.warns(UserWarning, match=r"1\.reached\.npz is missing or corrupt; resuming"):
+        backup = backup_folder.latest(tmp_path, double_checkpoint=True)
+    assert backup.position == backup_folder.Position(0, 0)
+    assert backup.reached == tmp_path / "0.reached.npz"
 
 
 def test_a_corrupt_backup_without_a_previous_one_is_refused_and_kept(tmp_path):

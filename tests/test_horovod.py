@@ -19,6 +19,7 @@ from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
+    assert_backed_up_reached_state_equals_single_device,
     assert_chief_weights_before_any_fit,
     assert_each_process_loads_only_its_rows,
     assert_equal_across_ranks,
@@ -84,6 +85,12 @@ def test_two_ranks_equal_single_device(ranks, scenario):
 
 def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):
     assert_every_process_raised_for_a_diverged_weight(launched("kmirror.launch", tmp_path_factory))
+
+
+def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(ranks, tmp_path):
+    """A seed generator held by an object that is not a layer, backed up and resumed on 2
+    Horovod ranks (`assert_backed_up_reached_state_equals_single_device`)."""
+    assert_backed_up_reached_state_equals_single_device(ranks, tmp_path)
 
 
 def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(ranks):

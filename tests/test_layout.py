@@ -29,7 +29,7 @@ LAYERS = [
     # The processes of a job, metric states, compression.
     ["slurm", "_core.cluster", "metric_states", "feed", "feed.rows", "sparse_gradients", "draws"]
     + ["reducers.compression"]
-    + ["reducers.packing"]
+    + ["reducers.packing", "reducers.scoped"]
     + ["reducers.job"],
     # Reducers: how values cross replicas and processes.
     ["reducers", "reducers.base", "reducers.in_process", "reducers.collective", "reducers.horovod"],

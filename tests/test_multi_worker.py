@@ -16,12 +16,12 @@ from pathlib import Path
 import jobs
 import numpy as np
 import pytest
-import state_steps
 from conftest import cpus
-from features import FEATURES, MULTI_PROCESS
+from features import MULTI_PROCESS
 from models import assert_same_history, dense_data, dense_model, max_weight_difference
 from multi_process import (
     Weights,
+    assert_backed_up_reached_state_equals_single_device,
     assert_chief_weights_before_any_fit,
     assert_each_process_loads_only_its_rows,
     assert_equal_across_ranks,
@@ -34,7 +34,6 @@ from multi_process import (
     reference,
     square_and_task,
 )
-from state_steps import everything, fit_backed_up
 
 import kmirror
 from kmirror import cluster
@@ -95,20 +94,11 @@ def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, nam
 
 
 def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(tmp_path_factory):
-    """A seed generator held by an object that is not a layer, in a model's own step, on 2
-    workers of one device with kmirror's BackupAndRestore: uninterrupted, and crashed inside the
-    second epoch then resumed, each equals one device's uninterrupted run (its generator's state
-    too), in every process."""
-    feature = FEATURES["state_noisy_gradients"]
-    expected = everything(
-        fit_backed_up(state_steps.noisy_gradients(), feature, tmp_path_factory.mktemp("one"))
+    """A seed generator held by an object that is not a layer, backed up and resumed on 2
+    workers of one device (`assert_backed_up_reached_state_equals_single_device`)."""
+    assert_backed_up_reached_state_equals_single_device(
+        launched(1, tmp_path_factory), tmp_path_factory.mktemp("one")
     )
-    for rank in launched(1, tmp_path_factory):
-        for run in ("whole", "resumed"):
-            got = rank[f"reached state, {run}"]
-            assert len(got) == len(expected)
-            for a, b in zip(expected, got):
-                np.testing.assert_allclose(b, a, rtol=0, atol=1e-10)
 
 
 def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):

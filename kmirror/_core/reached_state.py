@@ -11,12 +11,13 @@ is checked as it is made (`tf_hooks.graphs.watch_ops`): one whose variable the s
 outside and is not a copy of a distributed variable is recorded (`_written`). When the step's
 trace returns (`check`, on the thread that traced it), `Unmirrored` is raised, before anything
 ran; `retrying` then mirrors those variables (`Mirror.adopt_written`) and calls the step again,
-which traces it again. This holds for a process of one replica too (a ring worker of one
-device), whose variables are distributed all the same, so that every process takes the chief's
-value of what was found, and a backup holds it; not on a strategy whose variables are not (a
-Horovod rank's `OneDeviceStrategy`), where such a write cannot be told from another and the one
-replica writes its variable once, as one device. An eager step makes no graph: before it first
-runs on several replicas it is traced once for this look alone, never run (`looked_at`).
+which traces it again. This holds for a process of one replica too, so that every process
+takes the chief's value of what was found, and a backup holds it: on a ring worker of one device
+its variables are distributed all the same; on a strategy whose are not (a Horovod rank's
+`OneDeviceStrategy`), a variable kmirror mirrors is one made in the reducer's scope
+(`reducers.scoped.made_in_scope`), and a write to any other is recorded. An eager step makes no
+graph: before it first runs on several replicas it is traced once for this look alone, never run
+(`looked_at`).
 
 No weights file holds such state, so `Kept` holds what was mirrored, in the order found: a
 backup writes its values, and a relaunch gives them back to it as its steps find it again.
@@ -32,6 +33,7 @@ import tensorflow as tf
 
 from kmirror._core import replicas
 from kmirror._core.tf_hooks import graphs
+from kmirror.reducers import scoped
 
 __all__ = ["Unmirrored", "Kept", "install", "check", "looked_at", "retrying"]
 
@@ -59,10 +61,14 @@ def install() -> None:
 def _check_op(op_type: str, inputs, attrs) -> None:
     if not inputs or not graphs.variable_write(op_type) or not replicas.in_replica():
         return
-    if not replicas.distributes_variables():  # every variable reads as not distributed
-        return
     handle = graphs.captured_handle(inputs[0])
-    if handle is not None and not graphs.distributed(handle):
+    if handle is None:
+        return
+    if replicas.distributes_variables():
+        mirrored = graphs.distributed(handle)
+    else:  # every variable is plain: kmirror's are those made in its scope
+        mirrored = scoped.made_in_scope(handle)
+    if not mirrored:
         with _lock:
             _written[id(handle)] = handle
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
-from kmirror.reducers import packing
+from kmirror.reducers import packing, scoped
 from kmirror.reducers.job import Job
 
 __all__ = ["Reducer", "check_num_packs", "present_only"]
@@ -91,7 +91,7 @@ class Reducer(abc.ABC):
     def scope(self):
         """The scope in which variables become mirrored on every replica, each replica updating
         its own copy."""
-        with self.strategy.scope(), _no_aggregation():
+        with self.strategy.scope(), scoped.creating():
             yield
 
     def make_job(self) -> Job:
@@ -227,20 +227,6 @@ def present_only(gradients: list, reduce: Callable[[list], list]) -> list:
         return list(gradients)
     reduced = iter(reduce(present))
     return [None if g is None else next(reduced) for g in gradients]
-
-
-def _no_aggregation() -> contextlib.AbstractContextManager:
-    """Variables created in this scope (metrics', which Keras makes synchronised on read, too) are
-    updated per replica: an assignment in a replica changes that replica's copy (every replica
-    applies the same summed gradient, updates metrics with the same values: copies stay equal)."""
-
-    def creator(next_creator, **kwargs):
-        kwargs["aggregation"] = tf.VariableAggregation.NONE
-        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
-            kwargs["synchronization"] = tf.VariableSynchronization.AUTO
-        return next_creator(**kwargs)
-
-    return tf.variable_creator_scope(creator)
 
 
 def check_num_packs(num_packs) -> int:

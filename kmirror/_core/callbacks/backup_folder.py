@@ -51,21 +51,31 @@ def latest(folder: Path, double_checkpoint: bool) -> Backup | None:
         raise ValueError(_corrupt(folder, what, double_checkpoint)) from None
     entries = [state, *([state["previous"]] if state.get("previous") else [])]
     for number, entry in enumerate(entries):
-        weights = folder / entry["weights"]
-        reached = folder / entry["reached"] if entry.get("reached") else None
-        if _intact(weights, entry["sha256"]) and (
-            reached is None or _intact(reached, entry["reached_sha256"])
-        ):
+        broken = _broken(folder, entry)
+        if broken is None:
+            reached = folder / entry["reached"] if entry.get("reached") else None
             position = Position(entry["epoch"], entry["step"])
-            return Backup(position, weights, entry["python_random"], reached)
+            return Backup(position, folder / entry["weights"], entry["python_random"], reached)
         more = number + 1 < len(entries)
         warnings.warn(
-            f"kmirror: the backup {weights} is missing or corrupt"
+            f"kmirror: the backup {broken} is missing or corrupt"
             + ("; resuming from the previous backup." if more else "."),
             stacklevel=3,
         )
-    what = f"{entries[-1]['weights']} is missing or corrupt"
+    what = f"{broken.name} is missing or corrupt"
     raise ValueError(_corrupt(folder, what, double_checkpoint))
+
+
+def _broken(folder: Path, entry: dict) -> Path | None:
+    """The first of a backup's files (its weights, the state its steps reached) that is missing
+    or does not hold what its index says; None when all are intact."""
+    files = [(entry["weights"], entry["sha256"])]
+    if entry.get("reached"):
+        files.append((entry["reached"], entry["reached_sha256"]))
+    for name, sha256 in files:
+        if not _intact(folder / name, sha256):
+            return folder / name
+    return None
 
 
 def _intact(file: Path, sha256: str) -> bool:
