@@ -5,7 +5,6 @@ import functools
 
 import global_steps
 import numpy as np
-import state_steps
 from features import FEATURES, assert_same_logs, one_device
 from models import (
     BATCH,
@@ -18,7 +17,7 @@ from models import (
     multi_io_model,
 )
 from real_models import precision
-from state_steps import everything, fit_backed_up
+from state_steps import everything, fit_backed_up, noisy_gradients
 
 EPOCHS = 3  # as in multi_process_job.py
 #: Each process's batch in the "local batches" scenario (the job's: one per process).
@@ -103,7 +102,7 @@ def assert_backed_up_reached_state_equals_single_device(ranks, folder):
     the second epoch then resumed, each equals one device's uninterrupted run (its generator's
     state too), in every process."""
     feature = FEATURES["state_noisy_gradients"]
-    expected = everything(fit_backed_up(state_steps.noisy_gradients(), feature, folder))
+    expected = everything(fit_backed_up(noisy_gradients(), feature, folder))
     for rank in ranks:
         for run in ("whole", "resumed"):
             got = rank[f"reached state, {run}"]

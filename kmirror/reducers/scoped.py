@@ -23,7 +23,9 @@ def creating() -> contextlib.AbstractContextManager:
             kwargs["synchronization"] = tf.VariableSynchronization.AUTO
         variable = next_creator(**kwargs)
         if not isinstance(variable, tf.distribute.DistributedValues):
-            _made[id(variable.handle)] = variable
+            handle = getattr(variable, "handle", None)
+            if handle is not None:
+                _made[id(handle)] = variable
         return variable
 
     return tf.variable_creator_scope(creator)
