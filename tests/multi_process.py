@@ -2,6 +2,7 @@
 scenario of multi_process_job.py, and checks across ranks."""
 
 import functools
+import tempfile
 
 import global_steps
 import numpy as np
@@ -17,6 +18,7 @@ from models import (
     multi_io_model,
 )
 from real_models import precision
+from shared_cache import shared
 from state_steps import everything, fit_backed_up, noisy_gradients
 
 EPOCHS = 3  # as in multi_process_job.py
@@ -96,13 +98,24 @@ def assert_feature_equals_single_device(ranks, name):
         assert_same_logs(FEATURES[name], history, rank[scenario]["history"])
 
 
-def assert_backed_up_reached_state_equals_single_device(ranks, folder):
+def backed_up_reference() -> list:
+    """One device's uninterrupted run of the gradient noise backed up (`everything` of it),
+    trained once per run."""
+
+    def train():
+        with tempfile.TemporaryDirectory() as folder:
+            feature = FEATURES["state_noisy_gradients"]
+            return everything(fit_backed_up(noisy_gradients(), feature, folder))
+
+    return shared("backed-up-noisy-gradients", train)
+
+
+def assert_backed_up_reached_state_equals_single_device(ranks):
     """A seed generator held by an object that is not a layer, in a model's own step, with
     kmirror's BackupAndRestore (tests/multi_process_job.py): uninterrupted, and crashed inside
     the second epoch then resumed, each equals one device's uninterrupted run (its generator's
     state too), in every process."""
-    feature = FEATURES["state_noisy_gradients"]
-    expected = everything(fit_backed_up(noisy_gradients(), feature, folder))
+    expected = backed_up_reference()
     for rank in ranks:
         for run in ("whole", "resumed"):
             got = rank[f"reached state, {run}"]

@@ -87,10 +87,10 @@ def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):
     assert_every_process_raised_for_a_diverged_weight(launched("kmirror.launch", tmp_path_factory))
 
 
-def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(ranks, tmp_path):
+def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(ranks):
     """A seed generator held by an object that is not a layer, backed up and resumed on 2
     Horovod ranks (`assert_backed_up_reached_state_equals_single_device`)."""
-    assert_backed_up_reached_state_equals_single_device(ranks, tmp_path)
+    assert_backed_up_reached_state_equals_single_device(ranks)
 
 
 def test_a_deep_model_and_the_transfer_learning_flow_equal_single_device(ranks):

@@ -96,9 +96,7 @@ def test_two_workers_equal_single_device_for_every_feature(tmp_path_factory, nam
 def test_a_backup_holds_state_no_walk_finds_and_the_relaunch_resumes_it(tmp_path_factory):
     """A seed generator held by an object that is not a layer, backed up and resumed on 2
     workers of one device (`assert_backed_up_reached_state_equals_single_device`)."""
-    assert_backed_up_reached_state_equals_single_device(
-        launched(1, tmp_path_factory), tmp_path_factory.mktemp("one")
-    )
+    assert_backed_up_reached_state_equals_single_device(launched(1, tmp_path_factory))
 
 
 def test_a_weight_written_differently_raises_in_every_process(tmp_path_factory):

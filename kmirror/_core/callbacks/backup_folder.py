@@ -69,10 +69,10 @@ def latest(folder: Path, double_checkpoint: bool) -> Backup | None:
 def _broken(folder: Path, entry: dict) -> Path | None:
     """The first of a backup's files (its weights, the state its steps reached) that is missing
     or does not hold what its index says; None when all are intact."""
-    files = [(entry["weights"], entry["sha256"])]
+    named = [(entry["weights"], entry["sha256"])]
     if entry.get("reached"):
-        files.append((entry["reached"], entry["reached_sha256"]))
-    for name, sha256 in files:
+        named.append((entry["reached"], entry["reached_sha256"]))
+    for name, sha256 in named:
         if not _intact(folder / name, sha256):
             return folder / name
     return None
