@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
@@ -158,19 +159,29 @@ class CollectiveJob(Job):
         return self._cluster.index
 
     def broadcast(self, variables: list) -> None:
-        """Every worker takes worker 0's values (each may have built its model differently)."""
+        """Every worker takes worker 0's values (each may have built its model differently).
+
+        One collective for all of them: each replica's values, as float64, joined into one
+        vector (worker 0's first replica's, the others' zeros) and summed. A collective per
+        variable costs its tracing (a deep model's hundreds) at every model's first step."""
+        if not variables:
+            return
         strategy = self._strategy
 
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
-            values = [tf.cast(tf.convert_to_tensor(v), tf.float64) * mine for v in variables]
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, values, options=self._communication)
+            values = [
+                tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in variables
+            ]
+            joined = tf.concat(values, axis=0) * mine
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, joined, options=self._communication)
 
         reduced = self.traced_for(variables, lambda: strategy.run(replica_fn))()
-        for variable, value in zip(variables, reduced):
-            first = strategy.experimental_local_results(value)[0]
-            variable.assign(tf.cast(first, variable.dtype))
+        first = strategy.experimental_local_results(reduced)[0]
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        for variable, value in zip(variables, tf.split(first, sizes)):
+            variable.assign(tf.reshape(tf.cast(value, variable.dtype), variable.shape))
 
     def gather_counts(self, count: int) -> list[int]:
         return [int(c) for c in self._cluster.exchange("count", str(count))]
