@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
 from kmirror._core import cluster
 from kmirror.errors import PeerLost, reason
+from kmirror.reducers import packing
 from kmirror.reducers.base import Reducer
 from kmirror.reducers.in_process import require_gpus
 from kmirror.reducers.job import Job
@@ -171,17 +171,18 @@ class CollectiveJob(Job):
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
             mine = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), tf.float64)
-            values = [
-                tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float64), [-1]) for v in variables
-            ]
-            joined = tf.concat(values, axis=0) * mine
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, joined, options=self._communication)
+            values = [tf.cast(tf.convert_to_tensor(v), tf.float64) * mine for v in variables]
+            return packing.in_one(
+                lambda joined: ctx.all_reduce(
+                    tf.distribute.ReduceOp.SUM, joined, options=self._communication
+                ),
+                values,
+            )
 
         reduced = self.traced_for(variables, lambda: strategy.run(replica_fn))()
-        first = strategy.experimental_local_results(reduced)[0]
-        sizes = [int(np.prod(v.shape)) for v in variables]
-        for variable, value in zip(variables, tf.split(first, sizes)):
-            variable.assign(tf.reshape(tf.cast(value, variable.dtype), variable.shape))
+        for variable, value in zip(variables, reduced):
+            first = strategy.experimental_local_results(value)[0]
+            variable.assign(tf.cast(first, variable.dtype))
 
     def gather_counts(self, count: int) -> list[int]:
         return [int(c) for c in self._cluster.exchange("count", str(count))]
