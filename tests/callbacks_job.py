@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kmirror  # noqa: E402
 
 mode, out, reducer = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+if mode == "backup":  # the "callbacks" mode's trackers import pandas
+    import lean_start  # noqa: F401 - before Keras
 if reducer == "ring":
     kmirror.cluster.connect()
 elif reducer != "horovod":

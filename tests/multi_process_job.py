@@ -17,6 +17,8 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import lean_start  # noqa: E402, F401 - before Keras
+
 import kmirror  # noqa: E402
 
 PARTS = ("real_models", "rest", "features")

@@ -61,7 +61,9 @@ except kmirror.errors.NonFiniteLoss as error:
 @pytest.mark.parametrize("mode, reducer", [("horovod", "horovod"), ("ring", "ring")])
 def test_nan_on_one_ranks_rows_stops_every_process_together(mode, reducer, tmp_path):
     script = tmp_path / "nan_job.py"
-    header = "import kmirror\nkmirror.cluster.connect()\n" if mode == "ring" else ""
+    header = f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport lean_start\n"
+    if mode == "ring":
+        header += "import kmirror\nkmirror.cluster.connect()\n"
     script.write_text(header + NAN_JOB.format(tests=str(HERE), reducer=reducer))
     launcher = [sys.executable, "-m", "kmirror.launch", "-n", "2", "--mode", mode]
     done = subprocess.run(

@@ -186,6 +186,7 @@ def test_launch_run_returns_every_ranks_result():
 SLOW_JOB = """
 import os, sys, time
 sys.path.insert(0, {tests!r})
+import lean_start
 import keras, kmirror
 from models import dense_data, dense_model
 model = kmirror.wrap(dense_model(), reducer="horovod")
