@@ -148,7 +148,8 @@ class Microbatched(Private):
         return ops.vectorized_map(group, groups)
 
 
-def _private(model_class):
+def private_model(model_class):
+    """A model of `model_class` (a `Private`), seeded and compiled, in float64."""
     keras.utils.set_random_seed(1)
     with precision(FLOATX):
         model = model_class(
@@ -159,27 +160,27 @@ def _private(model_class):
 
 
 def vectorized():
-    return _private(Vectorized)
+    return private_model(Vectorized)
 
 
 def mapped():
-    return _private(Mapped)
+    return private_model(Mapped)
 
 
 def tracked():
-    return _private(Tracked)
+    return private_model(Tracked)
 
 
 def compiled():
-    return _private(Compiled)
+    return private_model(Compiled)
 
 
 def jacobian():
-    return _private(Jacobian)
+    return private_model(Jacobian)
 
 
 def microbatched():
-    return _private(Microbatched)
+    return private_model(Microbatched)
 
 
 def grouped():

@@ -2,6 +2,8 @@
 are (their training is in the exactness matrix, tests/features.py); here: their own test_step and
 predict_step, and leaving kmirror with them."""
 
+import logging
+
 import global_steps
 import keras
 import numpy as np
@@ -173,6 +175,52 @@ def test_a_map_writing_state_with_its_rows_values_runs_whole_and_every_copy_is_o
     for variable, want in zip(model.row_norm.variables, expected.row_norm.variables):
         for copy in model._reducer.local_values(keras_hooks.storage(variable)):
             np.testing.assert_allclose(copy.numpy(), want.numpy(), rtol=0, atol=1e-10)
+
+
+class WalrusRows(per_row_steps.Vectorized):
+    """DP-SGD whose mapped function is written with an assignment expression (`:=`), which
+    autograph cannot convert."""
+
+    def _row(self, pair, weights):
+        if (count := len(weights)) == 0:
+            raise ValueError(count)
+        return super()._row(pair, weights)
+
+
+class Messages(logging.Handler):
+    """The messages of the records a logger hands it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_autograph_converts_neither_the_steps_functions_nor_kmirrors():
+    """Keras runs a step with autograph off, and autograph never converts Keras' functions: a
+    function the step maps over its rows runs as written, and so it does wrapped (kmirror traced
+    it converted, and one written with `:=` drew TensorFlow's "could not transform" warning).
+    kmirror's functions standing in for Keras' inside a nested `tf.function` of the step (which
+    autograph converts, as on one device) are left as written, as Keras' are (converted, one
+    drew the same warning)."""
+    x, y, _ = global_steps.labelled()
+    messages = Messages()
+    tf.get_logger().addHandler(messages)
+    try:
+        with precision("float64"):
+            expected = per_row_steps.private_model(WalrusRows)
+            expected.fit(x, y, batch_size=33, epochs=1, shuffle=False, verbose=0)
+            model = kmirror.wrap(per_row_steps.private_model(WalrusRows), devices=cpus(2))
+            model.fit(x, y, batch_size=33, epochs=1, shuffle=False, verbose=0)
+            nested = kmirror.wrap(per_row_steps.compiled(), devices=cpus(2))
+            nested.fit(x, y, batch_size=33, epochs=1, shuffle=False, verbose=0)
+    finally:
+        tf.get_logger().removeHandler(messages)
+    assert not [m for m in messages.messages if "AutoGraph could not transform" in m]
+    for got, want in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
 
 
 def test_a_jacobian_with_respect_to_a_tensor_through_split_calls_is_refused_with_the_fix():

@@ -168,9 +168,10 @@ class Mirror:
         if not type(optimizer).__module__.startswith("keras."):
             specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
             with keras_hooks.building():
-                tf.function(
-                    lambda grads: optimizer.apply(grads, variables), autograph=False
-                ).get_concrete_function(specs)
+                apply = tf.autograph.experimental.do_not_convert(
+                    lambda grads: optimizer.apply(grads, variables)  # as in Keras' step
+                )
+                tf.function(apply, autograph=False).get_concrete_function(specs)
         if not optimizer.built:
             with self.scope():
                 optimizer.build(variables)

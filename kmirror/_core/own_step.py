@@ -94,6 +94,8 @@ def build_as_one_device(model: keras.Model, step: str, data) -> None:
         with tf.variable_creator_scope(_made_outside):
             return method(data)
 
+    # Autograph off in the step and in what it calls, as Keras traces one (`do_not_convert`).
+    traced = tf.autograph.experimental.do_not_convert(traced)
     with keras_hooks.building():
         tf.function(traced, autograph=False).get_concrete_function(data)
 

@@ -95,6 +95,7 @@ def looked_at(step: Callable, data, adopt: Callable[[list], None]) -> bool:
     nothing is found. Returns False where the step cannot be traced (it reads a tensor's value in
     Python): its writes are then not looked at."""
     adopted = set()
+    step = tf.autograph.experimental.do_not_convert(step)  # as Keras runs its steps
     while True:
         try:
             tf.function(step, autograph=False).get_concrete_function(data)

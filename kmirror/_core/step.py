@@ -236,8 +236,8 @@ def one_call_per_step(step_fn, count: int, run_eagerly: bool, retrying=lambda f:
     whose collectives cannot run in that loop. Like Keras' function, it returns the last step's
     logs and raises StopIteration when the iterator had no batch left; `retrying` wraps one step.
     """
-    traced = tf.function(step_fn, reduce_retracing=True, autograph=False)  # as Keras traces
-    one_step = retrying(step_fn if run_eagerly else traced)
+    step_fn = tf.autograph.experimental.do_not_convert(step_fn)  # as Keras runs one: as written
+    one_step = retrying(step_fn if run_eagerly else tf.function(step_fn, reduce_retracing=True))
 
     def function(iterator):
         outputs = None

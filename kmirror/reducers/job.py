@@ -112,7 +112,7 @@ class Job:
         sending the same variables again (every `fit`) reuses the trace of the first `send`."""
         key = tuple(id(v) for v in variables)
         if getattr(self, "_traced_key", None) != key:
-            self._traced_key, self._traced = key, tf.function(send)
+            self._traced_key, self._traced = key, tf.function(send, autograph=False)
         return self._traced
 
     def failures(self) -> contextlib.AbstractContextManager:

@@ -103,6 +103,9 @@ from kmirror._core.keras_hooks.symbolic import (  # noqa: E402
     symbolic_evaluation,
 )
 from kmirror._core.keras_hooks.writes import moving_statistics, recording, seed_states  # noqa: E402
+from kmirror._core.tf_hooks import never_converted  # noqa: E402
+
+never_converted(__name__)  # the functions this package puts in Keras' place
 
 __all__ = [
     "ModelOverrides",

@@ -94,7 +94,7 @@ def _written_per_row(fn, elems, tensors: list) -> str | None:
         return fn(tf.nest.pack_sequence_as(elems, list(row)))
 
     with per_row(), explaining.unrecorded():
-        graph = tf.function(one_row).get_concrete_function(*specs).graph
+        graph = tf.function(one_row, autograph=False).get_concrete_function(*specs).graph
     of_row = {id(t) for t in graph.inputs[: len(specs)]}
     for op in graph.get_operations():
         if not any(id(t) in of_row for t in op.inputs):

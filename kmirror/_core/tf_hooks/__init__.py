@@ -19,7 +19,10 @@ TensorFlow has no public API for these things kmirror needs:
   `tf.Variable` has;
 - Slurm's host lists and tasks per node expanded (`slurm_tasks`), as TensorFlow's
   `SlurmClusterResolver` expands them (the resolver itself gives no task a port without a GPU);
-- the graphs TensorFlow makes, and the ops in them (`graphs`).
+- the graphs TensorFlow makes, and the ops in them (`graphs`);
+- autograph's rules of what it converts (`never_converted`): it leaves TensorFlow's and Keras'
+  functions as written wherever they are called, and so it must leave kmirror's that take their
+  place while a step runs (`keras_hooks`, and the functions this package installs).
 
 Checked on TensorFlow 2.21.0 (`make test`) and 2.19.1 (`make test-compat`).
 """
@@ -34,6 +37,8 @@ from kmirror import versions
 
 versions.check()  # before the internals below
 
+from tensorflow.python.autograph.core import config as autograph_config  # noqa: E402
+from tensorflow.python.autograph.core import config_lib as autograph_rules  # noqa: E402
 from tensorflow.python.distribute import collective_all_reduce_strategy as tf_collective  # noqa: E402
 from tensorflow.python.distribute import cross_device_ops as tf_cross_device_ops  # noqa: E402
 from tensorflow.python.distribute import distribute_lib  # noqa: E402
@@ -45,7 +50,7 @@ from tensorflow.python.eager import context  # noqa: E402
 
 __all__ = ["GroupedAllReduce", "multi_worker_strategy", "publish", "read_published", "unpublish"]
 __all__ += ["seed_state", "started", "collectives_configured", "slurm_tasks", "strategy_of"]
-__all__ += ["read_as_numbers"]
+__all__ += ["read_as_numbers", "never_converted"]
 
 
 class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
@@ -66,6 +71,18 @@ class GroupedAllReduce(tf.distribute.HierarchicalCopyAllReduce):
         reduced = self._sum_packs(destinations, packs)
         reduced = tf_cross_device_ops._unpack_tensors(reduced, packer)
         return tf_cross_device_ops._ungroup_and_make_mirrored(reduced, dense_values[0], reduce_op)
+
+
+def never_converted(package: str) -> None:
+    """Makes autograph leave the functions of `package` (a module's name, its submodules
+    included) as written wherever they are called: from a converted function (a model's own
+    `tf.function`, a `tf.map_fn` body outside Keras' steps) they run as TensorFlow's and Keras'
+    run there, and what they call is converted only where those would convert it. Without it,
+    autograph converts a kmirror function standing in for one of Keras' (a layer's call, a
+    reduction), with a warning where it cannot."""
+    rules = autograph_config.CONVERSION_RULES
+    if not any(isinstance(r, autograph_rules.DoNotConvert) and r.matches(package) for r in rules):
+        autograph_config.CONVERSION_RULES = (autograph_rules.DoNotConvert(package), *rules)
 
 
 def publish(key: str, value: str) -> None:
@@ -167,3 +184,6 @@ def slurm_tasks(nodes: str, tasks_per_node: str) -> list[tuple[str, int]]:
     return list(
         zip(tf_slurm.expand_hostlist(nodes), tf_slurm.expand_tasks_per_node(tasks_per_node))
     )
+
+
+never_converted(__name__)  # the functions this package installs in TensorFlow's place
