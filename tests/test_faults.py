@@ -43,7 +43,6 @@ def test_nan_on_one_replicas_rows_stops_training_at_that_step_before_its_update(
 NAN_JOB = """
 import sys
 import time
-sys.path.insert(0, {tests!r})
 import numpy as np
 import kmirror
 from models import NAN_BATCH as BATCH
@@ -64,7 +63,7 @@ def test_nan_on_one_ranks_rows_stops_every_process_together(mode, reducer, tmp_p
     header = f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport lean_start\n"
     if mode == "ring":
         header += "import kmirror\nkmirror.cluster.connect()\n"
-    script.write_text(header + NAN_JOB.format(tests=str(HERE), reducer=reducer))
+    script.write_text(header + NAN_JOB.format(reducer=reducer))
     launcher = [sys.executable, "-m", "kmirror.launch", "-n", "2", "--mode", mode]
     done = subprocess.run(
         [*launcher, "--timeout", "180", str(script)],

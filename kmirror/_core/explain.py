@@ -45,6 +45,6 @@ def explain(model, build, x, y, sample_weight, batch_size: int, step: str):
     name = STEPS[step]
     build(data, name)
     with keras_hooks.explaining() as explanation:
-        step = tf.autograph.experimental.do_not_convert(getattr(model, name))  # as Keras traces
-        tf.function(step, autograph=False).get_concrete_function(data)
+        traced = tf.autograph.experimental.do_not_convert(getattr(model, name))  # as Keras traces
+        tf.function(traced, autograph=False).get_concrete_function(data)
     return explanation
