@@ -615,8 +615,11 @@ FEATURES = {
             "raw_buffers",
             "noisy_gradients",
             "added_loss",
+            "python_draws",
+            "python_draws_own_step",
         )
     },
+    "state_aug_mix": Feature(state_steps.aug_mix, state_steps.pictures, batch_size=13),
     "own_step_two_optimizers": Feature(
         gradient_steps.two_optimizers,
         global_steps.unlabelled,

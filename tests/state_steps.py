@@ -11,12 +11,19 @@ optimizer's variables too, an optimizer's inner one included).
 - `noisy_gradients`: annealed gradient noise from an object that is not a layer, holding its own
   `keras.random.SeedGenerator`, added in a model's own `train_step`;
 - `added_loss`: `self.add_loss` in a model's own `train_step`, outside any layer call, read back
-  through `compute_loss` with an L2 regularizer's loss.
+  through `compute_loss` with an L2 regularizer's loss;
+- `python_draws` (compiled) and `python_draws_own_step`: a layer of the user's drawing from
+  Python's `random` and NumPy's global generator while its call is traced (as Keras' AugMix
+  picks its chains), with Adam: one device traces the step twice (its first trace builds Adam),
+  and the graph that runs holds the second trace's draws; `aug_mix`: Keras' AugMix itself, in
+  float32 on 8 x 8 RGB images (`pictures`), with the accuracy metric.
 """
 
 import contextlib
+import random
 
 import keras
+import numpy as np
 import tensorflow as tf
 from global_steps import FLOATX, WIDTH
 from keras import layers as L
@@ -127,12 +134,25 @@ class AddedLoss(OwnStep):
         return {"objective": loss, "losses": ops.sum(ops.stack(self.losses))}
 
 
-def _model(model_class, optimizer, regularizer=None):
+class TraceTimeDraws(L.Layer):
+    """Scales its features, in an order: both drawn while its call is traced, fixed in the graph
+    (an order from NumPy's global generator, a scale from Python's `random`)."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        order = np.random.permutation(WIDTH)
+        scale = random.choice([0.5, 2.0, 3.0])
+        return ops.take(x, order, axis=1) * scale
+
+
+def _model(model_class, optimizer, regularizer=None, first=()):
     keras.utils.set_random_seed(1)
     with precision(FLOATX):
         model = model_class(
             [
                 keras.Input((WIDTH,)),
+                *first,
                 L.Dense(8, "tanh", kernel_regularizer=regularizer),
                 L.Dense(2),
             ]
@@ -159,6 +179,39 @@ def noisy_gradients():
 
 def added_loss():
     return _model(AddedLoss, keras.optimizers.SGD(0.1), regularizer="l2")
+
+
+def python_draws():
+    return _model(keras.Sequential, keras.optimizers.Adam(0.01), first=[TraceTimeDraws()])
+
+
+def python_draws_own_step():
+    return _model(OwnStep, keras.optimizers.Adam(0.01), first=[TraceTimeDraws()])
+
+
+def aug_mix():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            L.AugMix(seed=5),
+            L.Rescaling(1 / 255.0),
+            L.Conv2D(4, 3),
+            L.Flatten(),
+            L.Dense(4),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def pictures():
+    rng = np.random.default_rng(5)
+    return rng.uniform(0, 255, size=(47, 8, 8, 3)).astype("float32"), rng.integers(0, 4, 47), None
 
 
 def fit_backed_up(model, feature, backup_dir, crash=None):

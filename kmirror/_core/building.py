@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmirror._core import keras_hooks, mirroring, own_step
+from kmirror._core import keras_hooks, mirroring, own_step, python_draws
 from kmirror._core.feed import rows as rows_lib
 from kmirror.reducers.base import Reducer
 
@@ -48,11 +48,40 @@ class Builder:
         self._fitting = fitting  # whether the wrapped model's fit is running
         self._traced = set()  # the own steps traced to build the model
         self._traced_with = weakref.WeakSet()  # the optimizers when train_step was traced
+        self._traced_twice = set()  # the steps one device would trace twice at their next trace
 
     def build(self, iterator=None, data_batch=None, step: str | None = None) -> None:
         """Builds what is not built yet, from `data_batch` or the first batch of `iterator`
         (Keras' epoch iterator); then calls `built`. `step`: the step about to run (default:
-        `train_step` in `fit`, else `test_step`)."""
+        `train_step` in `fit`, else `test_step`).
+
+        One device builds these in the step's first trace, and TensorFlow then traces its step a
+        second time (a first trace that made variables is not the one that runs): the step is
+        noted (`traces_twice`). What the build draws from Python's and NumPy's generators is
+        undone, as one device makes no such build."""
+        step = step or ("train_step" if self._fitting() else "test_step")
+        made = []
+
+        def counting(next_creator, **kwargs):
+            made.append(True)
+            return next_creator(**kwargs)
+
+        with python_draws.unchanged(), tf.variable_creator_scope(counting):
+            built = self._build(iterator, data_batch, step)
+        if made:
+            self._traced_twice.add(step)
+        if built:
+            self._mirror.mirror(self._model)
+            self._built()
+
+    def traces_twice(self, step: str) -> bool:
+        """Whether one device traces `step` twice at its first trace from now (once: the next
+        call says no)."""
+        twice = step in self._traced_twice
+        self._traced_twice.discard(step)
+        return twice
+
+    def _build(self, iterator, data_batch, step: str) -> bool:
         model = self._model
         loss = keras_hooks.compiled_loss(model)
         loss_built = loss is None or loss.built
@@ -60,23 +89,22 @@ class Builder:
         optimizers_built = all(o.built for o in optimizers)
         own_training = self._own_training()
         if own_training:
-            step = step or ("train_step" if self._fitting() else "test_step")
             # Optimizers made since the training step was traced (the model compiled again)
             # are built by tracing it again.
             fresh = step == "train_step" and any(
                 not o.built and o not in self._traced_with for o in optimizers
             )
             if {step, "train_step"} & self._traced and not fresh:
-                return  # the step built what it uses; what it never uses stays unbuilt
+                return False  # the step built what it uses; what it never uses stays unbuilt
             done = all(layer.built for layer in every_layer(model)) and optimizers_built
             if done and loss_built:
-                return
+                return False
             metrics = None
         else:
             done = model.built and loss_built
             metrics = keras_hooks.compiled_metrics(self._wrapped)
             if done and optimizers_built and (metrics is None or metrics.built):
-                return
+                return False
         if data_batch is None:
             for _, _, batches in iterator:
                 data_batch = next(batches)
@@ -98,8 +126,7 @@ class Builder:
         if metrics is not None and not metrics.built:
             # The logs' metrics are updated outside the replicas, from their summed states.
             keras_hooks.build_compiled(self._wrapped, _symbolic(data_batch), outputs)
-        self._mirror.mirror(model)
-        self._built()
+        return True
 
     def check_takes(self, data_batch) -> None:
         """Raises what the user's model raises evaluating `data_batch` (tensors or their specs),
@@ -107,7 +134,7 @@ class Builder:
         `test_step` takes what it takes: it is not checked here."""
         if "test_step" in own_step.overridden(self._model):
             return
-        with self._mirror.scope():
+        with self._mirror.scope(), python_draws.unchanged():  # one device checks nothing
             keras_hooks.symbolic_evaluation(self._model, _symbolic(data_batch))
 
     def from_spec(self, x, step: str | None = None) -> None:

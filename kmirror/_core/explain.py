@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmirror._core import keras_hooks
+from kmirror._core import keras_hooks, python_draws
 
 __all__ = ["explain", "STEPS"]
 
@@ -44,7 +44,7 @@ def explain(model, build, x, y, sample_weight, batch_size: int, step: str):
         )
     name = STEPS[step]
     build(data, name)
-    with keras_hooks.explaining() as explanation:
+    with keras_hooks.explaining() as explanation, python_draws.unchanged():  # never run
         traced = tf.autograph.experimental.do_not_convert(getattr(model, name))  # as Keras traces
         tf.function(traced, autograph=False).get_concrete_function(data)
     return explanation

@@ -38,6 +38,7 @@ from kmirror._core import (
     logged,
     mirroring,
     own_step,
+    python_draws,
     reached_state,
     step,
     tracing,
@@ -99,6 +100,7 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
         self._mirror = mirroring.Mirror(reducer)
         self._reached = reached_state.Kept()  # state the steps reached that no walk found
         reached_state.install()
+        python_draws.install()
         self._sync_batch_norm = bool(sync_batch_norm)
         if prefetch is None:
             prefetch = any(
@@ -451,6 +453,11 @@ class MirroredModel(AnswersAsModel, keras_hooks.ModelOverrides):
                 "traceable.",
                 stacklevel=2,
             )
+
+    def traces_twice(self, step_name: str) -> bool:
+        """Whether one device traces the step `step_name` twice at its first trace from now
+        (`_core.building.Builder.traces_twice`; `_core.tracing`)."""
+        return self._builder.traces_twice(step_name)
 
     def _retrying(self, function):
         """`function`, which mirrors the state its trace finds it writes unmirrored and traces

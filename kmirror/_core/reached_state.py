@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from kmirror._core import replicas
+from kmirror._core import python_draws, replicas
 from kmirror._core.tf_hooks import graphs
 from kmirror.reducers import scoped
 
@@ -98,7 +98,8 @@ def looked_at(step: Callable, data, adopt: Callable[[list], None]) -> bool:
     step = tf.autograph.experimental.do_not_convert(step)  # as Keras runs its steps
     while True:
         try:
-            tf.function(step, autograph=False).get_concrete_function(data)
+            with python_draws.unchanged():  # looked at, never run
+                tf.function(step, autograph=False).get_concrete_function(data)
         except Exception:  # noqa: BLE001 - any failure to trace: the eager step runs as it is
             _taken()
             return False
@@ -119,9 +120,13 @@ def retrying(function: Callable, adopt: Callable[[list], None]) -> Callable:
     def call(*args, **kwargs):
         adopted = set()
         while True:
+            drawn = python_draws.states()
             try:
                 return function(*args, **kwargs)
+            except python_draws.TracedAgain:
+                continue  # from where its first trace left Python's and NumPy's generators
             except Unmirrored as found:
+                python_draws.restore(drawn)  # traced again: what it drew is drawn again
                 if adopted & {id(h) for h in found.handles}:
                     message = "kmirror: a variable it mirrored is written unmirrored"
                     raise RuntimeError(message) from None

@@ -7,7 +7,12 @@ walks every object the process holds, and a trace made them often enough to star
 MobileNetV2's first step on 2 replicas ran 3 (0.86 s); held off, the step took 0.73 s less (18.2 s
 to 17.5 s, medians of 5 alternating runs). The collector is held off while a step traces and set
 back as it was (enabled or not) when the last step traced at once returns; a trace's cycles are
-collected by the first pass after it."""
+collected by the first pass after it.
+
+Where one device would trace the step twice (TensorFlow traces a function again when its first
+trace made variables: `Builder.traces_twice`) and the trace drew from Python's or NumPy's
+generators, it ends with `python_draws.TracedAgain`: traced again, its graph draws what one
+device's second trace draws."""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import threading
 
 import tensorflow as tf
 
-from kmirror._core import reached_state
+from kmirror._core import python_draws, reached_state
 from kmirror._core.tf_hooks import graphs
 
 __all__ = ["traced"]
@@ -42,8 +47,12 @@ def traced(step_method):
         try:
             if tf.executing_eagerly():  # an eager step: no trace shows the state it writes
                 self.look_before_eager(functools.partial(step_method, self), data)
+            drawn = python_draws.drawn()
             outputs = step_method(self, data)
             reached_state.check()  # before the step runs: state it writes, not mirrored
+            twice = self.traces_twice(step_method.__name__)
+            if twice and python_draws.drawn() > drawn and not tf.executing_eagerly():
+                raise python_draws.TracedAgain()  # one device runs its second trace's draws
             return outputs
         finally:
             with _lock:

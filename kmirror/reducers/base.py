@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import tensorflow as tf
 
 from kmirror import devices as devices_lib
+from kmirror._core import python_draws
 from kmirror.reducers import packing, scoped
 from kmirror.reducers.job import Job
 
@@ -136,8 +137,10 @@ class Reducer(abc.ABC):
         return tf.distribute.get_replica_context().replica_id_in_sync_group
 
     def run(self, fn: Callable, args: tuple) -> Any:
-        """Runs `fn` once per local replica, in replica context."""
-        return self.strategy.run(fn, args=args)
+        """Runs `fn` once per local replica, in replica context; each replica draws from Python's
+        and NumPy's global generators what one device's single run draws (`python_draws`)."""
+        with python_draws.alike() as each:
+            return self.strategy.run(each(fn), args=args)
 
     def reduce_gradients(self, gradients: list) -> list:
         """Sums the replicas' gradients: the one point where gradients cross replicas.

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.layers.layer import Layer
 
+from kmirror._core import python_draws
 from kmirror._core.global_batch import Split
 from kmirror._core.keras_hooks import (
     call_results,
@@ -174,6 +175,7 @@ def _on_rows(layer, args, kwargs):
     """`layer`'s call on the replica's rows; run again on the whole batch where a reduction in
     it over the rows is not a sum (`whole_calls`)."""
     saved = {}  # what the first attempt wrote to the layers' state, undone before the whole call
+    drawn = python_draws.states()  # and where it found Python's and NumPy's generators
     try:
         with writes.attempt(saved), explaining.attempt():
             return _original["__call__"](layer, *args, **kwargs)
@@ -182,6 +184,7 @@ def _on_rows(layer, args, kwargs):
         if asked is None:
             raise
     writes.undo(saved)
+    python_draws.restore(drawn)
     what, refused = asked
     explaining.whole(layer, what)
     return whole_calls.run(

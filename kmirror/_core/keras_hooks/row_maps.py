@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from kmirror._core import python_draws
 from kmirror._core.global_batch import Split
 from kmirror._core.keras_hooks import explaining
 from kmirror._core.keras_hooks.own_thread import (
@@ -93,7 +94,7 @@ def _written_per_row(fn, elems, tensors: list) -> str | None:
     def one_row(*row):
         return fn(tf.nest.pack_sequence_as(elems, list(row)))
 
-    with per_row(), explaining.unrecorded():
+    with per_row(), explaining.unrecorded(), python_draws.unchanged():  # looked at, never run
         graph = tf.function(one_row, autograph=False).get_concrete_function(*specs).graph
     of_row = {id(t) for t in graph.inputs[: len(specs)]}
     for op in graph.get_operations():
