@@ -111,8 +111,12 @@ def states() -> tuple:
     """The states of the generators this thread draws from."""
     streams = getattr(_local, "streams", None)
     if streams is not None:
-        return streams[0].getstate(), streams[1].get_state()
+        return _states_of(streams)
     return random.getstate(), np.random.get_state()
+
+
+def _states_of(streams: tuple) -> tuple:
+    return streams[0].getstate(), streams[1].get_state()
 
 
 def restore(saved: tuple) -> None:
@@ -156,7 +160,7 @@ def alike() -> Iterator[Callable[[Callable], Callable]]:
                 return fn(*args, **kwargs)
             finally:
                 _local.streams = previous
-                ends[_replica_index()] = (streams[0].getstate(), streams[1].get_state())
+                ends[_replica_index()] = _states_of(streams)
 
         return replica
 
